@@ -1,0 +1,151 @@
+"""Consumer-side completion: a request's KV is usable only after every expected producer rank is done.
+
+Pure state machine, time passed in.  A key ends exactly once, with a `Received` result, and only when
+no WRITE into its blocks can still land:
+
+    all expected producers sent WriteDone           -> Received(ok=True): KV usable
+    WriteFailed / deadline / engine abort           -> revoke every producer rank that may still write,
+                                                       then Received(ok=False) once each has answered
+                                                       (RevokeAck, WriteDone or WriteFailed) or the
+                                                       fence wait ran out (the producer's write bound)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .identity import AttemptFloor, TransferKey
+
+Producer = tuple[str, int]  # (producer engine id, producer rank)
+
+
+@dataclass(frozen=True)
+class Received:
+    """Final word on a key: the engine may use (ok) or free/reuse (not ok) its blocks now."""
+
+    key: TransferKey
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SendRevoke:
+    key: TransferKey
+    producer: Producer
+    reason: str
+
+
+@dataclass
+class _Pending:
+    expected: frozenset[Producer]
+    deadline: float
+    registered: set[Producer] = field(default_factory=set)  # registration sent: a WRITE may come
+    done: set[Producer] = field(default_factory=set)
+    quiet: set[Producer] = field(default_factory=set)  # failed or acked: nothing more will land
+    failure: str | None = None
+    fence_deadline: float = 0.0
+
+    def in_doubt(self) -> set[Producer]:
+        return self.registered - self.done - self.quiet
+
+
+class Completion:
+    def __init__(self, *, transfer_timeout_s: float = 60.0, fence_wait_s: float = 45.0, tombstone_s: float = 600.0):
+        """`fence_wait_s` bounds how long a revoked producer may still write (its lease + write timeout)."""
+        self.transfer_timeout_s = transfer_timeout_s
+        self.fence_wait_s = fence_wait_s
+        self.floor = AttemptFloor(tombstone_s)
+        self._pending: dict[TransferKey, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, key: TransferKey) -> bool:
+        return key in self._pending
+
+    def waiting_keys(self) -> dict[Producer, list[TransferKey]]:
+        """Keys still waiting for data, per producer rank (for heartbeats)."""
+        out: dict[Producer, list[TransferKey]] = {}
+        for key, p in self._pending.items():
+            if p.failure is None:
+                for prod in p.expected - p.done:
+                    out.setdefault(prod, []).append(key)
+        return out
+
+    def start(self, key: TransferKey, expected: frozenset[Producer], now: float) -> list[Received]:
+        refusal = self.floor.refusal(key)
+        if refusal or key in self._pending:
+            return [Received(key, False, refusal or f"{key} is already in progress")]
+        if not expected:
+            return [Received(key, False, "no producer rank is routed to this consumer rank")]
+        self.floor.raise_to(key.transfer_id, key.attempt, now)
+        self._pending[key] = _Pending(expected=expected, deadline=now + self.transfer_timeout_s)
+        return []
+
+    def on_registered(self, key: TransferKey, producer: Producer) -> None:
+        """Call just before the registration is sent: from then on a WRITE may land."""
+        p = self._pending.get(key)
+        if p is not None:
+            p.registered.add(producer)
+
+    def on_done(self, key: TransferKey, producer: Producer, now: float) -> list[Received | SendRevoke]:
+        p = self._pending.get(key)
+        if p is None or producer not in p.expected:
+            return []
+        p.done.add(producer)
+        return self._advance(key, p, now)
+
+    def on_failed(self, key: TransferKey, producer: Producer, reason: str, now: float) -> list[Received | SendRevoke]:
+        p = self._pending.get(key)
+        if p is None or producer not in p.expected:
+            return []
+        p.quiet.add(producer)
+        return self._fail(key, p, f"producer rank {producer[1]}: {reason}", now)
+
+    def on_revoke_ack(self, key: TransferKey, producer: Producer, now: float) -> list[Received | SendRevoke]:
+        p = self._pending.get(key)
+        if p is None or producer not in p.expected:
+            return []
+        p.quiet.add(producer)
+        return self._advance(key, p, now)
+
+    def abort(self, key: TransferKey, reason: str, now: float) -> list[Received | SendRevoke]:
+        p = self._pending.get(key)
+        if p is None:
+            self.floor.end(key, now)
+            return []
+        return self._fail(key, p, reason or "aborted by consumer", now)
+
+    def tick(self, now: float) -> list[Received | SendRevoke]:
+        out: list[Received | SendRevoke] = []
+        for key, p in list(self._pending.items()):
+            if p.failure is None and now >= p.deadline:
+                missing = sorted(r for _, r in p.expected - p.done)
+                out += self._fail(key, p, f"timed out waiting for producer ranks {missing}", now)
+            elif p.failure is not None and now >= p.fence_deadline:
+                unanswered = sorted(r for _, r in p.in_doubt())
+                out.append(self._end(key, False, f"{p.failure} (revoke unanswered by ranks {unanswered}; fence wait elapsed)", now))
+        self.floor.prune(now)
+        return out
+
+    def _fail(self, key: TransferKey, p: _Pending, reason: str, now: float) -> list[Received | SendRevoke]:
+        if p.failure is not None:
+            return self._advance(key, p, now)
+        p.failure = reason
+        p.fence_deadline = now + self.fence_wait_s
+        revokes: list[Received | SendRevoke] = [SendRevoke(key, prod, reason) for prod in sorted(p.in_doubt())]
+        return revokes + self._advance(key, p, now)
+
+    def _advance(self, key: TransferKey, p: _Pending, now: float) -> list[Received | SendRevoke]:
+        if p.failure is None:
+            if p.done >= p.expected:
+                return [self._end(key, True, "", now)]
+            return []
+        if not p.in_doubt():
+            return [self._end(key, False, p.failure, now)]
+        return []
+
+    def _end(self, key: TransferKey, ok: bool, reason: str, now: float) -> Received:
+        del self._pending[key]
+        self.floor.end(key, now)
+        return Received(key, ok, reason)

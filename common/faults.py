@@ -1,0 +1,106 @@
+"""A fault-injecting wrapper around a real Transport, for fault tests and chaos runs.
+
+Faults act on what this side *receives* (notifications: drop, duplicate, delay, reorder) and on what
+it *posts* (fail the post, or make the transfer end in ERR).  Everything is seeded and counted so a
+test can assert that a fault really happened.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .transport import Transport, TransportError
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    seed: int = 0
+    drop_notif: float = 0.0
+    dup_notif: float = 0.0
+    delay_notif: float = 0.0
+    delay_s: tuple[float, float] = (0.05, 0.3)
+    reorder_notif: float = 0.0
+    fail_post: float = 0.0
+    err_xfer: float = 0.0  # the post succeeds, the transfer then reports ERR (nothing is sent)
+    match: Callable[[bytes], bool] | None = None  # notif faults apply only where this is true
+
+
+class FaultyTransport:
+    def __init__(self, inner: Transport, plan: FaultPlan, clock: Callable[[], float] = time.monotonic):
+        self.inner = inner
+        self.plan = plan
+        self.name = inner.name
+        self._rng = random.Random(plan.seed)
+        self._clock = clock
+        self._delayed: list[tuple[float, str, bytes]] = []
+        self._held: list[tuple[str, bytes]] = []  # for reordering
+        self._fake_err: set[int] = set()
+        self.counts: Counter[str] = Counter()
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def _hit(self, p: float) -> bool:
+        return p > 0 and self._rng.random() < p
+
+    def post(self, op, peer, local: np.ndarray, remote: np.ndarray, mem_type, remote_mem_type, notif):
+        if self._hit(self.plan.fail_post):
+            self.counts["fail_post"] += 1
+            raise TransportError("injected fault: post failed")
+        if self._hit(self.plan.err_xfer):
+            self.counts["err_xfer"] += 1
+            token = object()
+            self._fake_err.add(id(token))
+            return token
+        return self.inner.post(op, peer, local, remote, mem_type, remote_mem_type, notif)
+
+    def state(self, handle):
+        if id(handle) in self._fake_err:
+            return "ERR"
+        return self.inner.state(handle)
+
+    def release(self, handle) -> bool:
+        if id(handle) in self._fake_err:
+            self._fake_err.discard(id(handle))
+            return True
+        return self.inner.release(handle)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        now = self._clock()
+        out: list[tuple[str, bytes]] = []
+        for peer, msgs in self.inner.get_notifs().items():
+            for msg in msgs:
+                if self.plan.match is not None and not self.plan.match(msg):
+                    out.append((peer, msg))
+                    continue
+                if self._hit(self.plan.drop_notif):
+                    self.counts["drop"] += 1
+                    continue
+                if self._hit(self.plan.delay_notif):
+                    self.counts["delay"] += 1
+                    self._delayed.append((now + self._rng.uniform(*self.plan.delay_s), peer, msg))
+                    continue
+                if self._hit(self.plan.reorder_notif):
+                    self.counts["reorder"] += 1
+                    self._held.append((peer, msg))
+                    continue
+                out.append((peer, msg))
+                if self._hit(self.plan.dup_notif):
+                    self.counts["dup"] += 1
+                    out.append((peer, msg))
+        due = [d for d in self._delayed if d[0] <= now]
+        self._delayed = [d for d in self._delayed if d[0] > now]
+        out += [(peer, msg) for _, peer, msg in due]
+        if self._held and (out or self._rng.random() < 0.5):
+            out += self._held  # held messages come after later ones: reordered
+            self._held = []
+        grouped: dict[str, list[bytes]] = {}
+        for peer, msg in out:
+            grouped.setdefault(peer, []).append(msg)
+        return grouped

@@ -1,0 +1,43 @@
+"""DRAM device backend: KV caches in one page-aligned host slab, for the CPU platform and tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .device import DeviceBackend
+from .layout import BlockOrder, KVLayout, contiguous_layout, slab_bytes
+
+_PAGE = 4096
+
+
+class HostBackend(DeviceBackend):
+    name = "host"
+
+    def __init__(self, *, num_layers: int, num_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 dtype: str = "bfloat16", dtype_size: int = 2, order: BlockOrder = "HND",
+                 blocks_first: bool = False, head_offset: int = 0, fill: int = 0):
+        probe = contiguous_layout(0, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
+                                  block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+                                  dtype_size=dtype_size, order=order, blocks_first=blocks_first)
+        nbytes = slab_bytes(probe)
+        raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
+        start = (-raw.ctypes.data) % _PAGE
+        self.buffer = raw[start:start + nbytes]
+        self.buffer.fill(fill)  # first touch: fresh pages are slow to fault in on some VMs
+        self._raw = raw
+        self._layout = contiguous_layout(
+            self.buffer.ctypes.data, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
+            block_size=block_size, num_blocks=num_blocks, dtype=dtype, dtype_size=dtype_size, order=order,
+            blocks_first=blocks_first, head_offset=head_offset)
+
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    def registration_regions(self) -> np.ndarray:
+        return np.array([[self.buffer.ctypes.data, self.buffer.nbytes, 0]], dtype=np.uint64)
+
+    def block_view(self, region: int, block_id: int) -> np.ndarray:
+        """The bytes of one block of one region (for tests and poisoning)."""
+        reg = self._layout.regions[region]
+        off = reg.base - self.buffer.ctypes.data + block_id * reg.block_stride
+        return self.buffer[off:off + self._layout.block_bytes]

@@ -1,0 +1,155 @@
+"""How one rank's KV cache sits in memory, described well enough to address any token of any head.
+
+A device backend (host, CUDA, Neuron) describes its caches with a `KVLayout`; the planner turns two
+layouts plus block id lists into byte ranges.  The layout travels in the handshake, so it is a
+msgspec struct with bounded fields.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+MAX_REGIONS = 4096  # 2 per layer: enough for 2048 layers
+U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # user-space addresses
+Count = Annotated[int, Meta(ge=1, le=2**31)]
+
+# Within one block, "NHD" stores [token][head][dim] and "HND" stores [head][token][dim].
+BlockOrder = Literal["NHD", "HND"]
+
+
+class LayoutError(ValueError):
+    """A layout is inconsistent in itself or cannot be paired with its peer's."""
+
+
+class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One layer's K (or V) plane: `num_blocks` blocks, block i at `base + i * block_stride`."""
+
+    base: U64
+    block_stride: Annotated[int, Meta(ge=1, lt=2**48)]
+    mem_id: Annotated[int, Meta(ge=0, lt=2**20)] = 0  # which registration holds it; merges never cross
+    device_id: Annotated[int, Meta(ge=0, lt=2**16)] = 0
+
+
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The KV cache of one rank: `regions` lists layer 0 K, layer 0 V, layer 1 K, ...
+
+    `num_heads` is the number of KV heads held by this rank; `head_offset` is the first global head
+    it holds (topology decides it).  A block holds `block_size` tokens of all local heads.
+    """
+
+    num_layers: Count
+    num_heads: Annotated[int, Meta(ge=1, le=4096)]
+    head_dim: Annotated[int, Meta(ge=1, le=65536)]
+    dtype_size: Annotated[int, Meta(ge=1, le=16)]
+    dtype: Annotated[str, Meta(max_length=32)]
+    block_size: Annotated[int, Meta(ge=1, le=65536)]
+    num_blocks: Count
+    order: BlockOrder
+    regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    head_offset: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one head."""
+        return self.head_dim * self.dtype_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.num_heads * self.token_bytes
+
+    @property
+    def regions_per_layer(self) -> int:
+        return len(self.regions) // self.num_layers
+
+    def region_span(self, r: int) -> tuple[int, int]:
+        """[start, end) bytes that region r may touch."""
+        reg = self.regions[r]
+        return reg.base, reg.base + (self.num_blocks - 1) * reg.block_stride + self.block_bytes
+
+    def validate(self) -> "KVLayout":
+        if len(self.regions) != 2 * self.num_layers:
+            raise LayoutError(
+                f"layout has {len(self.regions)} regions for {self.num_layers} layers; expected 2 per layer (K, V)"
+            )
+        for i, reg in enumerate(self.regions):
+            if reg.block_stride < self.block_bytes:
+                raise LayoutError(
+                    f"region {i}: block_stride {reg.block_stride} < block bytes {self.block_bytes} (blocks would overlap)"
+                )
+            if self.region_span(i)[1] >= 2**63:
+                raise LayoutError(f"region {i} extends past the 63-bit address space")
+        return self
+
+    def geometry(self) -> tuple:
+        """What both sides must agree on whatever their TP size, block size or block order."""
+        return (self.num_layers, self.head_dim, self.dtype, self.dtype_size)
+
+
+def check_pairable(src: KVLayout, dst: KVLayout) -> None:
+    """Raise LayoutError with the first mismatch that makes a byte-exact copy impossible."""
+    if src.geometry() != dst.geometry():
+        names = ("num_layers", "head_dim", "dtype", "dtype_size")
+        diffs = [f"{n}: {a} vs {b}" for n, a, b in zip(names, src.geometry(), dst.geometry()) if a != b]
+        raise LayoutError("KV geometry differs between producer and consumer: " + ", ".join(diffs))
+    if len(src.regions) != len(dst.regions):
+        raise LayoutError(f"region count differs: {len(src.regions)} vs {len(dst.regions)}")
+
+
+def contiguous_layout(
+    base: int,
+    *,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: str = "bfloat16",
+    dtype_size: int = 2,
+    order: BlockOrder = "HND",
+    blocks_first: bool = False,
+    mem_id_per_layer: bool = False,
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM",
+    device_id: int = 0,
+    head_offset: int = 0,
+) -> KVLayout:
+    """A layout for one slab at `base`, laid out layer by layer.
+
+    Per layer, `blocks_first=False` is (2, num_blocks, block) as FlashAttention and the Neuron
+    plugin store it (K plane then V plane); `blocks_first=True` is (num_blocks, 2, block) as
+    FlashInfer stores it.
+    """
+    block_bytes = block_size * num_heads * head_dim * dtype_size
+    layer_bytes = 2 * num_blocks * block_bytes
+    regions = []
+    for layer in range(num_layers):
+        lbase = base + layer * layer_bytes
+        mem_id = layer if mem_id_per_layer else 0
+        if blocks_first:
+            planes = [(lbase, 2 * block_bytes), (lbase + block_bytes, 2 * block_bytes)]
+        else:
+            planes = [(lbase, block_bytes), (lbase + num_blocks * block_bytes, block_bytes)]
+        regions += [Region(b, s, mem_id, device_id) for b, s in planes]
+    return KVLayout(
+        num_layers=num_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        dtype_size=dtype_size,
+        dtype=dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        order=order,
+        regions=regions,
+        mem_type=mem_type,
+        head_offset=head_offset,
+    ).validate()
+
+
+def slab_bytes(layout: KVLayout) -> int:
+    """Bytes spanned from the first region's base to the end of the last region (one slab)."""
+    return max(layout.region_span(r)[1] for r in range(len(layout.regions))) - min(
+        reg.base for reg in layout.regions
+    )

@@ -1,0 +1,262 @@
+"""Turn two KV layouts, a head route and two block id lists into NIXL transfer descriptors.
+
+`plan_transfer` copies tokens [dst_first_token, num_tokens) of the route's heads, for every region
+(region r of the producer goes to region r of the consumer).  The producer's block list covers the
+request from token 0; the consumer's starts at `dst_first_token` (a consumer with a partial prefix
+cache hit registers only its uncached tail).  Block sizes and block orders may differ between the
+sides.
+
+Everything is validated before any descriptor array is built.  Descriptors are built with numpy:
+the token range is cut at every src and dst block boundary, each piece becomes one "unit" per
+region (and per head, or per token, as the block orders allow), units are ordered by source
+address, and units adjacent on both sides within one registration are merged.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import KVLayout, LayoutError, check_pairable
+from .topology import HeadRoute
+
+__all__ = ["PlanError", "TransferPlan", "plan_transfer"]
+
+_U64 = np.uint64
+
+
+class PlanError(ValueError):
+    """A transfer cannot be planned (bad layouts, route, token range or block ids)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Rows [addr, length, device_id] (NIXL descriptor format), `src[i]` is copied to `dst[i]`."""
+
+    src: np.ndarray  # (N, 3) uint64
+    dst: np.ndarray  # (N, 3) uint64
+    nbytes: int
+
+    @property
+    def num_descs(self) -> int:
+        return int(self.src.shape[0])
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _block_ids(ids, side: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise PlanError(f"{side} block ids must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise PlanError(f"{side} block ids must be integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _needed(ids: np.ndarray, first: int, count: int, layout: KVLayout, side: str, tokens: str) -> np.ndarray:
+    """ids[first:first+count], checked against the layout's block count, as int64."""
+    if ids.size < first + count:
+        raise PlanError(
+            f"{side} has {ids.size} block ids but tokens {tokens} need {first + count} "
+            f"(block_size {layout.block_size})"
+        )
+    sel = ids[first : first + count]
+    bad = np.flatnonzero((sel < 0) | (sel >= layout.num_blocks))
+    if bad.size:
+        i = int(bad[0])
+        raise PlanError(
+            f"{side} block id {int(sel[i])} (list index {first + i}) out of range: "
+            f"must be in [0, {layout.num_blocks})"
+        )
+    return sel.astype(np.int64)
+
+
+def _check_heads(layout: KVLayout, start: int, count: int, side: str) -> None:
+    if start < 0 or start + count > layout.num_heads:
+        raise PlanError(
+            f"route heads [{start}, {start + count}) out of range on {side}: it holds {layout.num_heads} heads"
+        )
+
+
+# --------------------------------------------------------------------------- addressing
+
+
+def _offset(layout: KVLayout, pos: np.ndarray, head) -> np.ndarray:
+    """Byte offset within a block of (in-block position, local head), as uint64."""
+    pos = pos.astype(_U64)
+    head = np.asarray(head).astype(_U64)
+    tb = _U64(layout.token_bytes)
+    if layout.order == "NHD":
+        return (pos * _U64(layout.num_heads) + head) * tb
+    return (head * _U64(layout.block_size) + pos) * tb
+
+
+def _head_runs_ok(layout: KVLayout) -> bool:
+    """Tokens of one head are contiguous within a block."""
+    return layout.order == "HND" or layout.num_heads == 1 or layout.block_size == 1
+
+
+def _token_runs_ok(layout: KVLayout) -> bool:
+    """Heads of one token are contiguous within a block."""
+    return layout.order == "NHD" or layout.num_heads == 1 or layout.block_size == 1
+
+
+def _region_arrays(layout: KVLayout):
+    regs = layout.regions
+    base = np.array([r.base for r in regs], dtype=_U64)
+    stride = np.array([r.block_stride for r in regs], dtype=_U64)
+    mem = np.array([r.mem_id for r in regs], dtype=np.int64)
+    dev = np.array([r.device_id for r in regs], dtype=np.int64)
+    return base, stride, mem, dev
+
+
+def plan_transfer(
+    src: KVLayout,
+    dst: KVLayout,
+    route: HeadRoute,
+    src_blocks,
+    dst_blocks,
+    *,
+    num_tokens: int,
+    dst_first_token: int = 0,
+) -> TransferPlan:
+    """Descriptors that copy tokens [dst_first_token, num_tokens) of `route`'s heads, every region."""
+    # ---- validation (nothing is allocated per token or per descriptor before this is done)
+    try:
+        src.validate()
+        dst.validate()
+        check_pairable(src, dst)
+    except LayoutError as e:
+        raise PlanError(f"layouts cannot be paired: {e}") from e
+
+    try:
+        num_tokens = operator.index(num_tokens)
+        first = operator.index(dst_first_token)
+    except TypeError as e:
+        raise PlanError(f"num_tokens and dst_first_token must be integers: {e}") from e
+    if first < 0:
+        raise PlanError(f"dst_first_token must be >= 0, got {first}")
+    if num_tokens <= first:
+        raise PlanError(f"nothing to copy: num_tokens {num_tokens} <= dst_first_token {first}")
+    bs_s, bs_d = src.block_size, dst.block_size
+    if first % bs_d:
+        raise PlanError(f"dst_first_token {first} is not a multiple of the dst block size {bs_d}")
+
+    nh = int(route.num_heads)
+    hs0, hd0 = int(route.src_head_start), int(route.dst_head_start)
+    if nh < 1:
+        raise PlanError(f"route moves {nh} heads; must be >= 1")
+    _check_heads(src, hs0, nh, "src")
+    _check_heads(dst, hd0, nh, "dst")
+
+    tokens = f"[{first}, {num_tokens})"
+    s_ids = _block_ids(src_blocks, "src")
+    d_ids = _block_ids(dst_blocks, "dst")
+    s_first_blk = first // bs_s
+    s_ids = _needed(s_ids, s_first_blk, (num_tokens - 1) // bs_s + 1 - s_first_blk, src, "src", tokens)
+    d_ids = _needed(d_ids, 0, (num_tokens - first - 1) // bs_d + 1, dst, "dst", tokens)
+    if np.unique(d_ids).size != d_ids.size:
+        vals, counts = np.unique(d_ids, return_counts=True)
+        raise PlanError(f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other")
+
+    # ---- items: pieces of the token range (per region, to be broadcast over regions)
+    tb = src.token_bytes
+    if _head_runs_ok(src) and _head_runs_ok(dst):
+        # one unit per (segment, head): the segment's tokens of one head are contiguous on both sides
+        cuts_s = np.arange((first // bs_s + 1) * bs_s, num_tokens, bs_s, dtype=np.int64)
+        cuts_d = np.arange(first + bs_d, num_tokens, bs_d, dtype=np.int64)
+        seg = np.union1d(np.union1d(cuts_s, cuts_d), np.array([first], dtype=np.int64))
+        seg_len = np.diff(np.append(seg, num_tokens))
+        heads = np.arange(nh, dtype=np.int64)
+        t = np.repeat(seg, nh)
+        h = np.tile(heads, seg.size)
+        length = np.repeat(seg_len, nh).astype(_U64) * _U64(tb)
+    elif _token_runs_ok(src) and _token_runs_ok(dst):
+        if nh == src.num_heads == dst.num_heads:
+            # whole segment (all heads of consecutive tokens) is contiguous on both sides
+            cuts_s = np.arange((first // bs_s + 1) * bs_s, num_tokens, bs_s, dtype=np.int64)
+            cuts_d = np.arange(first + bs_d, num_tokens, bs_d, dtype=np.int64)
+            t = np.union1d(np.union1d(cuts_s, cuts_d), np.array([first], dtype=np.int64))
+            length = np.diff(np.append(t, num_tokens)).astype(_U64) * _U64(nh * tb)
+        else:
+            # one unit per token: its route heads are contiguous on both sides
+            t = np.arange(first, num_tokens, dtype=np.int64)
+            length = np.full(t.size, nh * tb, dtype=_U64)
+        h = np.zeros(t.size, dtype=np.int64)
+    else:
+        # one block order per side: one unit per (token, head), generated in source order
+        tok = np.arange(first, num_tokens, dtype=np.int64)
+        heads = np.arange(nh, dtype=np.int64)
+        if _token_runs_ok(src):  # src NHD: token-major
+            t, h = np.repeat(tok, nh), np.tile(heads, tok.size)
+        else:  # src HND: head-major within each src block
+            blk = tok // bs_s
+            order = np.lexsort((np.tile(tok, nh), np.repeat(heads, tok.size), np.tile(blk, nh)))
+            t, h = np.tile(tok, nh)[order], np.repeat(heads, tok.size)[order]
+        length = np.full(t.size, tb, dtype=_U64)
+
+    s_blk = s_ids[t // bs_s - s_first_blk].astype(_U64)
+    s_off = _offset(src, t % bs_s, h + hs0)
+    d_rel = t - first
+    d_blk = d_ids[d_rel // bs_d].astype(_U64)
+    d_off = _offset(dst, d_rel % bs_d, h + hd0)
+    del t, h, d_rel
+
+    # ---- broadcast over regions: (R, U), flattened region-major
+    s_base, s_stride, s_mem, s_dev = _region_arrays(src)
+    d_base, d_stride, d_mem, d_dev = _region_arrays(dst)
+    n_reg, n_items = s_base.size, length.size
+    s_addr = s_base[:, None] + s_stride[:, None] * s_blk[None, :] + s_off[None, :]
+    d_addr = d_base[:, None] + d_stride[:, None] * d_blk[None, :] + d_off[None, :]
+
+    # safety net (unreachable if the checks above are right): every range inside its region's span
+    for addr, layout, stride, base, side in ((d_addr, dst, d_stride, d_base, "dst"), (s_addr, src, s_stride, s_base, "src")):
+        span_end = base + _U64(layout.num_blocks - 1) * stride + _U64(layout.block_bytes)
+        bad = (addr < base[:, None]) | (addr + length[None, :] > span_end[:, None])
+        if bad.any():
+            r, u = np.argwhere(bad)[0]
+            raise PlanError(
+                f"internal error: {side} range [{int(addr[r, u])}, +{int(length[u])}) leaves region {int(r)} "
+                f"span [{int(base[r])}, {int(span_end[r])})"
+            )
+
+    s_addr = s_addr.ravel()
+    d_addr = d_addr.ravel()
+    length = np.tile(length, n_reg)
+    # regions whose (src mem, src dev, dst mem, dst dev) differ must never merge
+    _, reg_class = np.unique(np.stack([s_mem, s_dev, d_mem, d_dev], axis=1), axis=0, return_inverse=True)
+    reg_class = reg_class.reshape(-1)
+    s_dev_u = np.repeat(s_dev, n_items)
+    d_dev_u = np.repeat(d_dev, n_items)
+    cls = np.repeat(reg_class, n_items)
+
+    # ---- order by source (device, address) so every possible merge is between neighbours
+    if np.unique(s_dev).size > 1:
+        perm = np.lexsort((s_addr, s_dev_u))
+    elif s_addr.size > 1 and not bool(np.all(s_addr[1:] >= s_addr[:-1])):
+        perm = np.argsort(s_addr, kind="stable")
+    else:
+        perm = None
+    if perm is not None:
+        s_addr, d_addr, length = s_addr[perm], d_addr[perm], length[perm]
+        s_dev_u, d_dev_u, cls = s_dev_u[perm], d_dev_u[perm], cls[perm]
+
+    # ---- merge units adjacent on both sides within one registration
+    joins = (
+        (s_addr[1:] == s_addr[:-1] + length[:-1])
+        & (d_addr[1:] == d_addr[:-1] + length[:-1])
+        & (cls[1:] == cls[:-1])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    out_len = np.add.reduceat(length, starts)
+    src_desc = np.stack([s_addr[starts], out_len, s_dev_u[starts].astype(_U64)], axis=1)
+    dst_desc = np.stack([d_addr[starts], out_len, d_dev_u[starts].astype(_U64)], axis=1)
+    src_desc.setflags(write=False)
+    dst_desc.setflags(write=False)
+    nbytes = n_reg * (num_tokens - first) * nh * tb
+    return TransferPlan(src=src_desc, dst=dst_desc, nbytes=nbytes)

@@ -1,0 +1,159 @@
+"""The one small interface kvpush needs from NIXL, and its real implementation.
+
+Only the writer/worker thread of an endpoint calls a Transport (NIXL agents are not documented as
+thread-safe).  Descriptors are (N, 3) uint64 arrays `[addr, length, device_id]`.  NIXL's own
+`get_serialized_descs` pickles; nothing here serialises descriptors: peers exchange layouts in the
+msgspec handshake and each side builds the remote descriptors itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+Backend = Literal["UCX", "LIBFABRIC"]
+XferState = Literal["DONE", "PROC", "ERR"]
+
+
+class TransportError(RuntimeError):
+    """A NIXL call failed; the message names the call and NIXL's error."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """NIXL agent settings.  `progress_thread=None` picks the measured best for the backend.
+
+    NIXL 1.5.1's progress thread busy-spins a full core (pthrDelay=0).  UCX over cma/shm/RDMA makes
+    progress inside our own polling calls, so it is off.  LIBFABRIC's passive target (the side that
+    is written into) needs it to make progress; the active side does not.
+    """
+
+    backend: Backend = "UCX"
+    progress_thread: bool | None = None
+    num_threads: int = 0
+    backend_params: dict[str, str] = field(default_factory=dict)
+
+    def progress_thread_for(self, role: Literal["producer", "consumer"], mode: Literal["push", "pull"] = "push") -> bool:
+        if self.progress_thread is not None:
+            return self.progress_thread
+        if self.backend == "UCX":
+            return False
+        # LIBFABRIC: the side that is the target of one-sided operations needs passive progress.
+        target = "consumer" if mode == "push" else "producer"
+        return role == target
+
+    def init_params(self) -> dict[str, str]:
+        params = {k: str(v) for k, v in self.backend_params.items()}
+        if self.num_threads:
+            params.setdefault("num_threads", str(self.num_threads))
+        return params
+
+
+class Transport(Protocol):
+    name: str
+
+    def register(self, regions: np.ndarray, mem_type: str) -> object: ...
+    def deregister(self, handle: object) -> None: ...
+    def metadata(self) -> bytes: ...
+    def add_peer(self, metadata: bytes) -> str: ...
+    def remove_peer(self, name: str) -> None: ...
+    def post(self, op: Literal["WRITE", "READ"], peer: str, local: np.ndarray, remote: np.ndarray,
+             mem_type: str, remote_mem_type: str, notif: bytes) -> object: ...
+    def state(self, handle: object) -> XferState: ...
+    def release(self, handle: object) -> bool: ...
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
+    def get_notifs(self) -> dict[str, list[bytes]]: ...
+    def close(self) -> None: ...
+
+
+def _quiet_ucx_env() -> None:
+    # The wheel's UCX loads libuct_ib when ibverbs-providers is installed, which crashes at exit
+    # (duplicate libnl-route-3); kvpush never uses IB verbs through UCX on hosts without RDMA NICs.
+    if not os.path.exists("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
+        os.environ.setdefault("UCX_MODULES", "^ib")
+
+
+class NixlTransport:
+    """A NIXL agent with one backend."""
+
+    def __init__(self, name: str, config: TransportConfig, *, progress_thread: bool = False):
+        _quiet_ucx_env()
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:  # pragma: no cover - nixl is a hard dependency
+            raise TransportError("nixl is not installed: pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1") from e
+        self.name = name
+        self.config = config
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
+        self._agent = nixl_agent(name, conf)
+        try:
+            self._agent.create_backend(config.backend, config.init_params())
+        except Exception as e:
+            raise TransportError(f"NIXL could not start backend {config.backend}: {e!r}") from e
+        self._backends = [config.backend]
+        self._regs: list[object] = []
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise TransportError(f"NIXL {what} failed: {type(e).__name__}: {e}") from e
+
+    def register(self, regions: np.ndarray, mem_type: str) -> object:
+        descs = self._call("get_reg_descs", self._agent.get_reg_descs, np.ascontiguousarray(regions, dtype=np.uint64), mem_type)
+        handle = self._call("register_memory", self._agent.register_memory, descs, backends=self._backends)
+        if handle is None:
+            raise TransportError(f"NIXL register_memory returned nothing for {len(regions)} {mem_type} regions")
+        self._regs.append(handle)
+        return handle
+
+    def deregister(self, handle: object) -> None:
+        self._call("deregister_memory", self._agent.deregister_memory, handle, backends=self._backends)
+        self._regs.remove(handle)
+
+    def metadata(self) -> bytes:
+        return bytes(self._call("get_agent_metadata", self._agent.get_agent_metadata))
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self._call("add_remote_agent", self._agent.add_remote_agent, metadata)
+        return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+    def remove_peer(self, name: str) -> None:
+        self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+
+    def post(self, op, peer, local, remote, mem_type, remote_mem_type, notif):
+        ldescs = self._call("get_xfer_descs", self._agent.get_xfer_descs, np.ascontiguousarray(local, dtype=np.uint64), mem_type)
+        rdescs = self._call("get_xfer_descs", self._agent.get_xfer_descs, np.ascontiguousarray(remote, dtype=np.uint64), remote_mem_type)
+        handle = self._call("initialize_xfer", self._agent.initialize_xfer, op, ldescs, rdescs, peer, notif, backends=self._backends)
+        state = self._call("transfer", self._agent.transfer, handle)
+        if state == "ERR":
+            self.release(handle)
+            raise TransportError(f"NIXL transfer({op}) to {peer} returned ERR at post")
+        return handle
+
+    def state(self, handle) -> XferState:
+        return self._call("check_xfer_state", self._agent.check_xfer_state, handle)
+
+    def release(self, handle) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:
+            return False
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._call("send_notif", self._agent.send_notif, peer, msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        raw = self._call("get_new_notifs", self._agent.get_new_notifs)
+        return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in raw.items()}
+
+    def close(self) -> None:
+        for handle in list(self._regs):
+            try:
+                self.deregister(handle)
+            except TransportError:
+                pass

@@ -1,0 +1,214 @@
+"""Every control message kvpush puts on a socket or in a NIXL notification, and their one codec.
+
+Frame: b"KVP" | version (1 byte) | flags (1 byte) | msgpack body | HMAC-SHA256 (32 bytes, if flag 1).
+The version sits outside the body so that a peer of another version gets a clear error, not a
+schema failure.  Bodies are msgspec tagged structs with bounded fields; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from .layout import KVLayout
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KVP"
+HEADER_LEN = len(MAGIC) + 2
+MAC_LEN = 32
+FLAG_SIGNED = 0x01
+MAX_BLOCK_IDS = 1 << 18  # 4M tokens at block size 16
+MAX_HEARTBEAT_KEYS = 4096
+MAX_NOTIF_BYTES = 4 << 20  # registrations and results travel as NIXL notifications
+MAX_HANDSHAKE_BYTES = 64 << 20  # agent metadata grows ~90 B per registered region
+
+Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")]
+Attempt = Annotated[int, Meta(ge=0, lt=2**31)]
+Rank = Annotated[int, Meta(ge=0, lt=4096)]
+TpSize = Annotated[int, Meta(ge=1, le=4096)]
+BlockId = Annotated[int, Meta(ge=0, lt=2**31)]
+Tokens = Annotated[int, Meta(ge=0, lt=2**31)]
+Reason = Annotated[str, Meta(max_length=512)]
+Mode = Literal["push", "pull"]
+
+
+class WireError(ValueError):
+    """A message could not be accepted; the text says why."""
+
+
+class MessageTooLarge(WireError):
+    pass
+
+
+class UnsupportedVersion(WireError):
+    pass
+
+
+class BadSignature(WireError):
+    pass
+
+
+class MalformedMessage(WireError):
+    pass
+
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class Hello(_Msg, tag="hello"):
+    """Handshake, both directions: who I am, how my KV is laid out, and my NIXL agent."""
+
+    engine_id: Id
+    role: Literal["producer", "consumer"]
+    rank: Rank
+    tp_size: TpSize
+    mode: Mode
+    compat_hash: Annotated[str, Meta(min_length=64, max_length=64)]
+    total_kv_heads: Annotated[int, Meta(ge=1, le=1 << 20)]
+    agent_name: Id
+    agent_metadata: bytes
+    layout: KVLayout
+
+
+class HelloReject(_Msg, tag="reject"):
+    reason: Reason
+
+
+class KeyRef(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    transfer_id: Id
+    attempt: Attempt
+
+
+class Register(_Msg, tag="reg"):
+    """Consumer rank -> producer rank: write tokens [first_token, num_tokens) into these blocks."""
+
+    transfer_id: Id
+    attempt: Attempt
+    consumer_engine: Id
+    consumer_rank: Rank
+    consumer_tp: TpSize
+    block_ids: Annotated[list[BlockId], Meta(max_length=MAX_BLOCK_IDS)]
+    first_token: Tokens
+    num_tokens: Tokens
+    ttl_ms: Annotated[int, Meta(ge=1, le=3_600_000)]
+
+
+class Revoke(_Msg, tag="revoke"):
+    """Consumer gives up: post nothing more into my blocks, and tell me when nothing is in flight."""
+
+    transfer_id: Id
+    attempt: Attempt
+    consumer_engine: Id
+    consumer_rank: Rank
+    reason: Reason = ""
+
+
+class RevokeAck(_Msg, tag="revoke_ack"):
+    """Producer rank: no WRITE for this key into the revoking rank is in flight or will be posted."""
+
+    transfer_id: Id
+    attempt: Attempt
+    producer_engine: Id
+    producer_rank: Rank
+
+
+class Heartbeat(_Msg, tag="hb"):
+    """Consumer rank -> producer rank: I still want these; renew their leases."""
+
+    consumer_engine: Id
+    consumer_rank: Rank
+    keys: Annotated[list[KeyRef], Meta(max_length=MAX_HEARTBEAT_KEYS)]
+
+
+class WriteDone(_Msg, tag="done"):
+    """Rides on the WRITE as its NIXL notification, so it arrives after the bytes."""
+
+    transfer_id: Id
+    attempt: Attempt
+    producer_engine: Id
+    producer_rank: Rank
+    nbytes: Annotated[int, Meta(ge=0, le=2**63 - 1)]
+    num_descs: Annotated[int, Meta(ge=0, lt=2**40)]
+
+
+class WriteFailed(_Msg, tag="failed"):
+    """Producer rank: this key will never be (fully) written into your blocks by me."""
+
+    transfer_id: Id
+    attempt: Attempt
+    producer_engine: Id
+    producer_rank: Rank
+    code: Annotated[str, Meta(max_length=64)]
+    reason: Reason = ""
+
+
+Message = Union[Hello, HelloReject, Register, Revoke, RevokeAck, Heartbeat, WriteDone, WriteFailed]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+class Codec:
+    """Encode and decode frames; signs and verifies when a shared secret is configured."""
+
+    def __init__(self, secret: bytes | None = None, max_bytes: int = MAX_NOTIF_BYTES):
+        self._secret = secret or None
+        self.max_bytes = max_bytes
+
+    @property
+    def signed(self) -> bool:
+        return self._secret is not None
+
+    def encode(self, msg: Message) -> bytes:
+        body = _ENCODER.encode(msg)
+        header = MAGIC + bytes([PROTOCOL_VERSION, FLAG_SIGNED if self._secret else 0])
+        frame = header + body
+        if self._secret:
+            frame += hmac.new(self._secret, frame, hashlib.sha256).digest()
+        if len(frame) > self.max_bytes:
+            raise MessageTooLarge(f"{type(msg).__name__} is {len(frame)} bytes; limit {self.max_bytes}")
+        return frame
+
+    def decode(self, frame: bytes) -> Message:
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise MalformedMessage(f"expected bytes, got {type(frame).__name__}")
+        frame = bytes(frame)
+        if len(frame) > self.max_bytes:
+            raise MessageTooLarge(f"frame of {len(frame)} bytes exceeds limit {self.max_bytes}")
+        if len(frame) < HEADER_LEN or frame[:3] != MAGIC:
+            raise MalformedMessage("not a kvpush frame (bad magic or truncated header)")
+        version, flags = frame[3], frame[4]
+        if version != PROTOCOL_VERSION:
+            raise UnsupportedVersion(f"peer speaks kvpush protocol v{version}; this side speaks v{PROTOCOL_VERSION}")
+        if flags & ~FLAG_SIGNED:
+            raise MalformedMessage(f"unknown frame flags 0x{flags:02x}")
+        signed = bool(flags & FLAG_SIGNED)
+        if self._secret and not signed:
+            raise BadSignature("unsigned message but a shared secret is configured")
+        if signed and not self._secret:
+            raise BadSignature("peer signs its messages but no shared secret is configured here")
+        if signed:
+            if len(frame) < HEADER_LEN + MAC_LEN:
+                raise MalformedMessage("signed frame too short for its MAC")
+            frame, mac = frame[:-MAC_LEN], frame[-MAC_LEN:]
+            if not hmac.compare_digest(mac, hmac.new(self._secret, frame, hashlib.sha256).digest()):
+                raise BadSignature("message MAC does not verify (forged, corrupted, or wrong secret)")
+        try:
+            return _DECODER.decode(frame[HEADER_LEN:])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MalformedMessage(f"malformed message: {e}") from None
+
+
+def compat_hash(*, mode: Mode, model: str, num_layers: int, total_kv_heads: int, head_dim: int, dtype: str,
+                extra: tuple = ()) -> str:
+    """Hash of what must match for two engines to exchange KV at all.
+
+    Block size, block order, TP size and addresses may differ: they travel in the Hello's layout
+    and are checked pairwise by the planner with precise errors.
+    """
+    factors = ("kvpush", PROTOCOL_VERSION, mode, model, num_layers, total_kv_heads, head_dim, dtype, *extra)
+    return hashlib.sha256(repr(factors).encode()).hexdigest()
