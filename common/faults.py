@@ -28,6 +28,7 @@ class FaultPlan:
     reorder_notif: float = 0.0
     fail_post: float = 0.0
     err_xfer: float = 0.0  # the post succeeds, the transfer then reports ERR (nothing is sent)
+    post_delay_s: float = 0.0  # hold every post this long (PROC) before really posting: a slow WRITE
     match: Callable[[bytes], bool] | None = None  # notif faults apply only where this is true
 
 
@@ -41,6 +42,7 @@ class FaultyTransport:
         self._delayed: list[tuple[float, str, bytes]] = []
         self._held: list[tuple[str, bytes]] = []  # for reordering
         self._fake_err: set[int] = set()
+        self._held_posts: dict[int, list] = {}  # id(token) -> [due, args, real handle or None]
         self.counts: Counter[str] = Counter()
 
     def __getattr__(self, attr):
@@ -58,17 +60,38 @@ class FaultyTransport:
             token = object()
             self._fake_err.add(id(token))
             return token
+        if self.plan.post_delay_s > 0:
+            self.counts["post_delay"] += 1
+            token = _Held()
+            args = (op, peer, local.copy(), remote.copy(), mem_type, remote_mem_type, notif)
+            self._held_posts[id(token)] = [self._clock() + self.plan.post_delay_s, args, None]
+            return token
         return self.inner.post(op, peer, local, remote, mem_type, remote_mem_type, notif)
 
     def state(self, handle):
         if id(handle) in self._fake_err:
             return "ERR"
+        held = self._held_posts.get(id(handle))
+        if held is not None:
+            if held[2] is None:
+                if self._clock() < held[0]:
+                    return "PROC"
+                held[2] = self.inner.post(*held[1])
+            return self.inner.state(held[2])
         return self.inner.state(handle)
 
     def release(self, handle) -> bool:
         if id(handle) in self._fake_err:
             self._fake_err.discard(id(handle))
             return True
+        held = self._held_posts.get(id(handle))
+        if held is not None:
+            if held[2] is None:
+                return False  # not cancellable: it will still be posted (models an in-flight WRITE)
+            if self.inner.release(held[2]):
+                del self._held_posts[id(handle)]
+                return True
+            return False
         return self.inner.release(handle)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
@@ -104,3 +127,7 @@ class FaultyTransport:
         for peer, msg in out:
             grouped.setdefault(peer, []).append(msg)
         return grouped
+
+
+class _Held:
+    """Stand-in handle for a post that the wrapper is holding back."""

@@ -26,7 +26,8 @@ MAX_HEARTBEAT_KEYS = 4096
 MAX_NOTIF_BYTES = 4 << 20  # registrations and results travel as NIXL notifications
 MAX_HANDSHAKE_BYTES = 64 << 20  # agent metadata grows ~90 B per registered region
 
-Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")]
+# \Z, not $: msgspec uses re.search, and "$" also matches before a trailing newline.
+Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+\Z")]
 Attempt = Annotated[int, Meta(ge=0, lt=2**31)]
 Rank = Annotated[int, Meta(ge=0, lt=4096)]
 TpSize = Annotated[int, Meta(ge=1, le=4096)]
@@ -201,6 +202,8 @@ class Codec:
             return _DECODER.decode(frame[HEADER_LEN:])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise MalformedMessage(f"malformed message: {e}") from None
+        except RecursionError:  # msgspec's nesting limit, e.g. deep arrays under an unknown key
+            raise MalformedMessage("malformed message: nested too deeply") from None
 
 
 def compat_hash(*, mode: Mode, model: str, num_layers: int, total_kv_heads: int, head_dim: int, dtype: str,

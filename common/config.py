@@ -1,0 +1,56 @@
+"""Settings of one kvpush endpoint (one engine rank), with the timing rules that keep requests bounded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .transport import TransportConfig
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    engine_id: str
+    rank: int = 0
+    tp_size: int = 1
+    total_kv_heads: int = 1
+    model: str = "unknown"
+    mode: Literal["push", "pull"] = "push"
+    host: str = "127.0.0.1"
+    base_port: int = 0  # producer side channel: rank r listens on base_port + r (0: pick a free port)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    secret: bytes | None = None  # HMAC-SHA256 on every control message when set (both sides)
+    lease_s: float = 30.0  # producer keeps ready KV this long without a heartbeat
+    reg_ttl_s: float = 30.0  # producer keeps an unmatched registration this long without a heartbeat
+    write_timeout_s: float = 30.0  # a posted WRITE that has not finished by then is failed
+    transfer_timeout_s: float = 120.0  # consumer gives up on a request's KV after this long
+    heartbeat_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    handshake_workers: int = 4  # concurrent handshakes: a slow peer never blocks the others
+    tombstone_s: float = 600.0
+    fence_grace_s: float = 5.0  # allowance for a control message still in flight
+    poll_s: float = 0.001  # worker poll period while work is outstanding
+    idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.engine_id}/r{self.rank}"
+
+    @property
+    def fence_wait_s(self) -> float:
+        """After a revoke, how long a silent producer could still write into our blocks.
+
+        A producer posts only while a registration is alive (TTL renewed by our heartbeats, which stop
+        on failure) and fails any WRITE that runs past write_timeout_s.
+        """
+        return self.reg_ttl_s + self.write_timeout_s + self.fence_grace_s
+
+    def validate(self) -> "EndpointConfig":
+        if not 0 <= self.rank < self.tp_size:
+            raise ValueError(f"rank {self.rank} out of range for tp_size {self.tp_size}")
+        if self.heartbeat_s * 2 > min(self.lease_s, self.reg_ttl_s):
+            raise ValueError("heartbeat_s must be at most half of lease_s and reg_ttl_s, or leases lapse between beats")
+        for name in ("lease_s", "reg_ttl_s", "write_timeout_s", "transfer_timeout_s", "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        return self

@@ -1,0 +1,192 @@
+"""Consumer (decode) rank: registers destination blocks with every producer rank that writes into it,
+counts their completions, and hands blocks back only when no WRITE into them can still land.
+
+Engine thread: `expect`, `abort`, `take_finished` only enqueue or drain.  Handshakes run in a small
+thread pool (ZMQ only) so one slow producer never delays the others; the worker thread owns NIXL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .completion import Completion, Received, SendRevoke
+from .endpoint import Endpoint, Peer
+from .handshake import HandshakeError, request_hello
+from .identity import TransferKey
+from .topology import producers_for
+from .transport import TransportError
+from .wire import MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, Register, Revoke, RevokeAck, WriteDone, WriteFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProducerRef:
+    """How to reach a producer engine: learned by the router at start-up, not per request."""
+
+    engine_id: str
+    host: str
+    base_port: int  # rank r serves its side channel on base_port + r
+    tp_size: int
+
+
+@dataclass(frozen=True)
+class Expect:
+    key: TransferKey
+    producer: ProducerRef
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+class ConsumerEndpoint(Endpoint):
+    role = "consumer"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.completion = Completion(transfer_timeout_s=self.cfg.transfer_timeout_s,
+                                     fence_wait_s=self.cfg.fence_wait_s, tombstone_s=self.cfg.tombstone_s)
+        self._pool = ThreadPoolExecutor(max_workers=self.cfg.handshake_workers,
+                                        thread_name_prefix=f"kvpush-hs-{self.cfg.rank}")
+        self._connecting: dict[tuple[str, int], list[Expect]] = {}  # producer rank -> waiting requests
+        self._next_heartbeat = 0.0
+
+    # ---- engine-facing ---------------------------------------------------------------------------
+    def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
+               first_token: int = 0) -> None:
+        """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
+        self._enqueue(("expect", Expect(TransferKey(transfer_id, attempt), producer,
+                                        tuple(int(b) for b in block_ids), int(num_tokens), int(first_token))))
+
+    def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
+        """Give up; the blocks come back through take_finished once no WRITE can land in them."""
+        self._enqueue(("abort", TransferKey(transfer_id, attempt), reason))
+
+    def _before_close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- worker ----------------------------------------------------------------------------------
+    def _claimed_sender(self, msg):
+        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck)):
+            return (msg.producer_engine, msg.producer_rank)
+        return None
+
+    def _step(self) -> bool:
+        now = self.clock()
+        out: list = []
+        for item in self._drain_inbox():
+            kind = item[0]
+            if kind == "expect":
+                out += self._on_expect(item[1], now)
+            elif kind == "abort":
+                out += self.completion.abort(item[1], item[2], now)
+            elif kind == "peer_ok":
+                out += self._on_peer_ok(item[1], item[2], now)
+            elif kind == "peer_fail":
+                out += self._on_peer_fail(item[1], item[2], now)
+        for peer, msg in self._receive(self.transport.get_notifs()):
+            key = TransferKey(msg.transfer_id, msg.attempt)
+            prod = (peer.engine_id, peer.rank)
+            if isinstance(msg, WriteDone):
+                out += self.completion.on_done(key, prod, now)
+            elif isinstance(msg, WriteFailed):
+                out += self.completion.on_failed(key, prod, f"{msg.code}: {msg.reason}", now)
+            elif isinstance(msg, RevokeAck):
+                out += self.completion.on_revoke_ack(key, prod, now)
+        out += self.completion.tick(now)
+        self._act(out)
+        if now >= self._next_heartbeat:
+            self._heartbeat()
+            self._next_heartbeat = now + self.cfg.heartbeat_s
+        return len(self.completion) > 0
+
+    def _act(self, out: list) -> None:
+        for a in out:
+            if isinstance(a, Received):
+                (self.stats.received_ok if a.ok else self.stats.received_failed).inc()
+                self._outbox.append(a)
+            elif isinstance(a, SendRevoke):
+                peer = self._peers.get(a.producer)
+                if peer is not None:
+                    self._send(peer, Revoke(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
+                                            consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank,
+                                            reason=a.reason[:500]))
+
+    def _on_expect(self, e: Expect, now: float) -> list:
+        try:
+            ranks = producers_for(self.cfg.total_kv_heads, e.producer.tp_size, self.cfg.tp_size, self.cfg.rank)
+        except ValueError as err:
+            return [Received(e.key, False, f"cannot route from producer TP {e.producer.tp_size}: {err}")]
+        expected = frozenset((e.producer.engine_id, r) for r in ranks)
+        out = self.completion.start(e.key, expected, now)
+        if out:
+            return out
+        out = []
+        for prod in sorted(expected):
+            if prod in self._peers:
+                out += self._register(e, self._peers[prod], now)
+            else:
+                waiting = self._connecting.setdefault(prod, [])
+                if not waiting:
+                    self._pool.submit(self._handshake, e.producer, prod[1])
+                waiting.append(e)
+        return out
+
+    def _handshake(self, ref: ProducerRef, rank: int) -> None:
+        """Pool thread: ZMQ only; the result goes back to the worker through the inbox."""
+        prod = (ref.engine_id, rank)
+        try:
+            hello = request_hello(ref.host, ref.base_port + rank, self.local_hello(), self.cfg.secret,
+                                  self.cfg.handshake_timeout_s)
+            reason = self.check_peer_hello(hello, "producer")
+            if reason is None and (hello.engine_id, hello.rank, hello.tp_size) != (ref.engine_id, rank, ref.tp_size):
+                reason = (f"expected producer {ref.engine_id} rank {rank} of TP {ref.tp_size}, found "
+                          f"{hello.engine_id} rank {hello.rank} of TP {hello.tp_size}")
+            self._enqueue(("peer_fail", prod, reason) if reason else ("peer_ok", prod, hello))
+        except HandshakeError as err:
+            self._enqueue(("peer_fail", prod, str(err)))
+        except Exception as err:  # never lose the waiting requests
+            log.exception("handshake crashed")
+            self._enqueue(("peer_fail", prod, f"handshake crashed: {err!r}"))
+
+    def _on_peer_ok(self, prod, hello, now: float) -> list:
+        out: list = []
+        try:
+            peer = self._add_peer(hello)
+        except TransportError as err:
+            return self._on_peer_fail(prod, f"could not load producer agent: {err}", now)
+        for e in self._connecting.pop(prod, []):
+            if e.key in self.completion:
+                out += self._register(e, peer, now)
+        return out
+
+    def _on_peer_fail(self, prod, reason: str, now: float) -> list:
+        log.warning("handshake with producer %s rank %d failed: %s", prod[0], prod[1], reason)
+        out: list = []
+        for e in self._connecting.pop(prod, []):
+            out += self.completion.on_failed(e.key, prod, f"handshake failed: {reason}", now)
+        return out
+
+    def _register(self, e: Expect, peer: Peer, now: float) -> list:
+        prod = (peer.engine_id, peer.rank)
+        self.completion.on_registered(e.key, prod)  # from now on a WRITE may land
+        sent = self._send(peer, Register(transfer_id=e.key.transfer_id, attempt=e.key.attempt,
+                                  consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank,
+                                  consumer_tp=self.cfg.tp_size, block_ids=list(e.block_ids),
+                                  first_token=e.first_token, num_tokens=e.num_tokens,
+                                  ttl_ms=int(self.cfg.reg_ttl_s * 1000)))
+        if sent:
+            return []
+        return self.completion.on_failed(e.key, prod, "could not send the registration", now)
+
+    def _heartbeat(self) -> None:
+        for prod, keys in self.completion.waiting_keys().items():
+            peer = self._peers.get(prod)
+            if peer is None:
+                continue
+            for i in range(0, len(keys), MAX_HEARTBEAT_KEYS):
+                chunk = [KeyRef(k.transfer_id, k.attempt) for k in keys[i:i + MAX_HEARTBEAT_KEYS]]
+                self._send(peer, Heartbeat(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, keys=chunk))

@@ -1,0 +1,213 @@
+"""What producer and consumer endpoints share: the NIXL-owning worker thread, its inbox, the peer
+table, notification decoding with sender checks, and the engine-facing outbox.
+
+Threads per endpoint: the engine thread (only enqueues and drains), one worker thread (the only
+caller of NIXL), and the handshake thread(s) (ZMQ only).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import EndpointConfig
+from .device import DeviceBackend
+from .layout import KVLayout
+from .metrics import EndpointStats
+from .topology import local_heads
+from .transport import NixlTransport, Transport, TransportError
+from .wire import Codec, Hello, Message, WireError, compat_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Peer:
+    engine_id: str
+    rank: int
+    tp_size: int
+    agent: str
+    layout: KVLayout
+
+
+TransportFactory = Callable[[EndpointConfig, bool], Transport]
+
+
+def nixl_transport(cfg: EndpointConfig, progress_thread: bool) -> Transport:
+    return NixlTransport(cfg.agent_name, cfg.transport, progress_thread=progress_thread)
+
+
+class Endpoint:
+    role: str = "abstract"
+
+    def __init__(self, cfg: EndpointConfig, backend: DeviceBackend,
+                 transport_factory: TransportFactory = nixl_transport, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg.validate()
+        self.backend = backend
+        self.layout = backend.layout()
+        first, count = local_heads(cfg.total_kv_heads, cfg.tp_size, cfg.rank)
+        if self.layout.num_heads != count or self.layout.head_offset != first:
+            raise ValueError(
+                f"backend layout holds heads [{self.layout.head_offset}, +{self.layout.num_heads}) but rank "
+                f"{cfg.rank} of TP {cfg.tp_size} with {cfg.total_kv_heads} KV heads must hold [{first}, +{count})")
+        self.codec = Codec(cfg.secret)
+        self.clock = clock
+        self.stats = EndpointStats(cfg.engine_id, self.role)
+        self.compat = compat_hash(mode=cfg.mode, model=cfg.model, num_layers=self.layout.num_layers,
+                                  total_kv_heads=cfg.total_kv_heads, head_dim=self.layout.head_dim,
+                                  dtype=self.layout.dtype)
+        self._transport_factory = transport_factory
+        self.transport: Transport | None = None
+        self._agent_md = b""
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "Endpoint":
+        """Create the agent and register KV memory on the worker thread, then serve."""
+        self._thread = threading.Thread(target=self._main, name=f"kvpush-{self.role}-{self.cfg.rank}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
+        self._after_start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._before_close()
+
+    def _after_start(self) -> None:
+        pass
+
+    def _before_close(self) -> None:
+        pass
+
+    def _main(self) -> None:
+        try:
+            self.backend.bind_thread()
+            progress = self.cfg.transport.progress_thread_for(self.role, self.cfg.mode)
+            self.transport = self._transport_factory(self.cfg, progress)
+            self.transport.register(self.backend.registration_regions(), self.layout.mem_type)
+            self._agent_md = self.transport.metadata()
+        except BaseException as e:  # reported to start()'s caller
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        while not self._stop.is_set():
+            try:
+                busy = self._step()
+            except Exception:  # keep serving; a bug in one message must not strand every request
+                log.exception("kvpush %s worker step failed", self.role)
+                self.stats.worker_errors.inc()
+                busy = False
+            self._wake.wait(self.cfg.poll_s if busy else self.cfg.idle_poll_s)
+            self._wake.clear()
+        try:
+            self.transport.close()
+        except Exception:
+            log.exception("closing transport")
+
+    def _step(self) -> bool:
+        raise NotImplementedError
+
+    # ---- engine-facing ---------------------------------------------------------------------------
+    def _enqueue(self, item) -> None:
+        self._inbox.put(item)
+        self._wake.set()
+
+    def take_finished(self) -> list:
+        """Drain results (non-blocking; safe from the engine thread)."""
+        out = []
+        while self._outbox:
+            out.append(self._outbox.popleft())
+        return out
+
+    # ---- worker helpers --------------------------------------------------------------------------
+    def _drain_inbox(self) -> list:
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def local_hello(self) -> Hello:
+        return Hello(engine_id=self.cfg.engine_id, role=self.role, rank=self.cfg.rank, tp_size=self.cfg.tp_size,
+                     mode=self.cfg.mode, compat_hash=self.compat, total_kv_heads=self.cfg.total_kv_heads,
+                     agent_name=self.cfg.agent_name, agent_metadata=self._agent_md, layout=self.layout)
+
+    def check_peer_hello(self, hello: Hello, want_role: str) -> str | None:
+        """Reason to refuse a peer, or None."""
+        if hello.role != want_role:
+            return f"expected a {want_role}, got a {hello.role}"
+        if hello.mode != self.cfg.mode:
+            return f"transfer mode mismatch: peer is {hello.mode}, this side is {self.cfg.mode}"
+        if hello.compat_hash != self.compat:
+            return "compatibility hash mismatch (protocol version, mode, model or KV geometry differ)"
+        if hello.total_kv_heads != self.cfg.total_kv_heads:
+            return f"total KV heads differ: {hello.total_kv_heads} vs {self.cfg.total_kv_heads}"
+        try:
+            hello.layout.validate()
+            first, count = local_heads(hello.total_kv_heads, hello.tp_size, hello.rank)
+        except ValueError as e:
+            return f"peer layout invalid: {e}"
+        if (hello.layout.head_offset, hello.layout.num_heads) != (first, count):
+            return "peer layout's heads do not match its TP rank"
+        return None
+
+    def _add_peer(self, hello: Hello) -> Peer:
+        agent = self.transport.add_peer(hello.agent_metadata)
+        if agent != hello.agent_name:
+            raise TransportError(f"peer agent metadata names {agent!r}, Hello claims {hello.agent_name!r}")
+        peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout)
+        self._peers[(hello.engine_id, hello.rank)] = peer
+        return peer
+
+    def _send(self, peer: Peer, msg: Message) -> bool:
+        try:
+            self.transport.send_notif(peer.agent, self.codec.encode(msg))
+            return True
+        except (TransportError, WireError) as e:
+            self.stats.failed_notifs.inc()
+            log.warning("could not send %s to %s: %s", type(msg).__name__, peer.agent, e)
+            return False
+
+    def _receive(self, raw: dict[str, list[bytes]]) -> list[tuple[Peer, Message]]:
+        """Decode fetched notifications; drop (and count) malformed, forged or unknown-sender ones."""
+        out = []
+        for agent, frames in raw.items():
+            for frame in frames:
+                try:
+                    msg = self.codec.decode(frame)
+                except WireError as e:
+                    self.stats.rejected_msgs.labels(reason=type(e).__name__).inc()
+                    log.warning("dropped notification from %s: %s", agent, e)
+                    continue
+                claimed = self._claimed_sender(msg)
+                peer = self._peers.get(claimed) if claimed else None
+                if peer is None or peer.agent != agent:
+                    self.stats.rejected_msgs.labels(reason="unknown_sender").inc()
+                    log.warning("dropped %s from %s: sender does not match a handshaken peer %s",
+                                type(msg).__name__, agent, claimed)
+                    continue
+                out.append((peer, msg))
+        return out
+
+    def _claimed_sender(self, msg: Message) -> tuple[str, int] | None:
+        raise NotImplementedError

@@ -1,0 +1,42 @@
+"""Prometheus metrics of an endpoint, in a registry of its own (several endpoints may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class EndpointStats:
+    def __init__(self, engine_id: str, role: str):
+        self.registry = CollectorRegistry()
+        labels = {"engine": engine_id, "role": role}
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            c = Counter(f"kvpush_{name}", doc, list(labels) + list(extra), registry=self.registry)
+            return c.labels(**labels) if not extra else _Partial(c, labels)
+
+        self.writes_posted = counter("writes_posted", "WRITEs posted into a destination rank")
+        self.writes_done = counter("writes_done", "WRITEs that completed")
+        self.writes_failed = counter("writes_failed", "WRITEs refused, failed or timed out", ("code",))
+        self.bytes_written = counter("bytes_written", "payload bytes moved by completed WRITEs")
+        self.descs_posted = counter("descriptors_posted", "NIXL descriptors posted")
+        self.failed_notifs = counter("failed_notifications", "control messages that could not be sent")
+        self.rejected_msgs = counter("rejected_messages", "incoming messages refused", ("reason",))
+        self.worker_errors = counter("worker_errors", "unexpected exceptions in the worker loop")
+        self.received_ok = counter("requests_received", "consumer requests whose KV became usable")
+        self.received_failed = counter("requests_failed", "consumer requests that ended without usable KV")
+        self.released = counter("requests_released", "producer requests whose blocks were released", ("outcome",))
+        self.post_seconds = Histogram("kvpush_post_seconds", "time to plan and post one WRITE", list(labels),
+                                      registry=self.registry).labels(**labels)
+        self.xfer_seconds = Histogram("kvpush_xfer_seconds", "time from post to WRITE completion", list(labels),
+                                      registry=self.registry).labels(**labels)
+
+
+class _Partial:
+    """A counter with the endpoint labels bound and the rest given at use."""
+
+    def __init__(self, counter: Counter, bound: dict[str, str]):
+        self._counter = counter
+        self._bound = bound
+
+    def labels(self, **extra: str):
+        return self._counter.labels(**self._bound, **extra)

@@ -1,0 +1,234 @@
+"""Producer (prefill) rank: serves handshakes, matches registrations with ready KV, posts WRITEs.
+
+Engine thread: `kv_ready`, `abort`, `take_finished` only enqueue or drain.  The worker thread owns
+NIXL: it decodes registrations, runs the rendezvous, plans descriptors, posts one WRITE per
+destination rank with a WriteDone notification riding on it, polls completion, and sends
+WriteFailed whenever a destination will not be (fully) written.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .endpoint import Endpoint, Peer
+from .handshake import HandshakeServer
+from .identity import TransferKey
+from .planner import PlanError, plan_transfer
+from .rendezvous import (Dest, Release, ReadyKV, Rendezvous, SendFailed, SendRevokeAck, StartWrite)
+from .topology import routes_from
+from .transport import TransportError
+from .wire import Heartbeat, Hello, Register, Revoke, RevokeAck, WriteDone, WriteFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    key: TransferKey
+    dest: Dest
+    posted_at: float
+    deadline: float
+    nbytes: int
+    handle: object = None  # None while waiting for the device fence
+    start: StartWrite | None = None
+    timed_out: bool = False
+
+
+class ProducerEndpoint(Endpoint):
+    role = "producer"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rendezvous = Rendezvous(expected_dests=self._expected_dests, lease_s=self.cfg.lease_s,
+                                     tombstone_s=self.cfg.tombstone_s)
+        self._inflight: list[_InFlight] = []
+        self.server: HandshakeServer | None = None
+
+    # ---- engine-facing ---------------------------------------------------------------------------
+    def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int) -> None:
+        """The step that computed this request's KV was issued; its blocks stay ours until released."""
+        fence = self.backend.mark_kv_written()
+        ready = ReadyKV(tuple(int(b) for b in block_ids), int(num_tokens), fence)
+        self._enqueue(("ready", TransferKey(transfer_id, attempt), ready))
+
+    def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
+        self._enqueue(("abort", TransferKey(transfer_id, attempt), reason))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.host, self.server.port
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def _after_start(self) -> None:
+        port = self.cfg.base_port + self.cfg.rank if self.cfg.base_port else 0
+        self.server = HandshakeServer(self.cfg.host, port, self.cfg.secret, self.local_hello, self._accept_hello).start()
+
+    def _before_close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def _accept_hello(self, hello: Hello) -> str | None:
+        """Handshake thread: validate, then queue the peer for the worker before the reply goes out."""
+        reason = self.check_peer_hello(hello, "consumer")
+        if reason:
+            return reason
+        if not any(r.dst_rank == hello.rank for r in self._routes(hello.tp_size)):
+            return f"producer rank {self.cfg.rank} writes nothing into consumer rank {hello.rank}"
+        try:
+            probe = next(r for r in self._routes(hello.tp_size) if r.dst_rank == hello.rank)
+            plan_transfer(self.layout, hello.layout, probe, [0], [0], num_tokens=1)
+        except PlanError as e:
+            return f"KV layouts cannot be paired: {e}"
+        self._enqueue(("peer", hello))
+        return None
+
+    def _routes(self, consumer_tp: int):
+        return routes_from(self.cfg.total_kv_heads, self.cfg.tp_size, consumer_tp, self.cfg.rank)
+
+    def _expected_dests(self, consumer_engine: str, consumer_tp: int) -> frozenset[Dest]:
+        return frozenset((consumer_engine, r.dst_rank) for r in self._routes(consumer_tp))
+
+    # ---- worker ----------------------------------------------------------------------------------
+    def _claimed_sender(self, msg):
+        if isinstance(msg, (Register, Revoke, Heartbeat)):
+            return (msg.consumer_engine, msg.consumer_rank)
+        return None
+
+    def _step(self) -> bool:
+        # Notifications are fetched before the inbox is drained: a consumer sends its first
+        # registration only after our handshake reply, and its peer entry was queued before that.
+        notifs = self.transport.get_notifs()
+        now = self.clock()
+        actions = []
+        for item in self._drain_inbox():
+            kind = item[0]
+            if kind == "peer":
+                try:
+                    self._add_peer(item[1])
+                except TransportError as e:
+                    log.warning("could not add consumer %s: %s", item[1].agent_name, e)
+            elif kind == "ready":
+                actions += self.rendezvous.on_ready(item[1], item[2], now)
+            elif kind == "abort":
+                actions += self.rendezvous.on_local_abort(item[1], item[2], now)
+        for peer, msg in self._receive(notifs):
+            key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, Heartbeat) else None
+            if isinstance(msg, Register):
+                if msg.consumer_tp != peer.tp_size:
+                    actions.append(SendFailed(key, (peer.engine_id, peer.rank), "bad_registration",
+                                              "consumer_tp differs from the handshake"))
+                    continue
+                actions += self.rendezvous.on_register(msg, now)
+            elif isinstance(msg, Revoke):
+                actions += self.rendezvous.on_revoke(key, (peer.engine_id, peer.rank), now)
+            elif isinstance(msg, Heartbeat):
+                self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now)
+        actions += self.rendezvous.tick(now)
+        self._run(actions, now)
+        self._poll_inflight()
+        return bool(self._inflight) or self.rendezvous.has_unmatched()
+
+    def _run(self, actions, now: float) -> None:
+        while actions:
+            a = actions.pop(0)
+            if isinstance(a, StartWrite):
+                actions += self._start_write(a, now)
+            elif isinstance(a, SendFailed):
+                self.stats.writes_failed.labels(code=a.code).inc()
+                peer = self._peers.get(a.dest)
+                if peer is not None:
+                    self._send(peer, WriteFailed(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
+                                                 producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank,
+                                                 code=a.code, reason=a.reason[:500]))
+            elif isinstance(a, SendRevokeAck):
+                peer = self._peers.get(a.dest)
+                if peer is not None:
+                    self._send(peer, RevokeAck(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
+                                               producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank))
+            elif isinstance(a, Release):
+                self.stats.released.labels(outcome=a.outcome.value).inc()
+                self._outbox.append(a)
+
+    def _fail_write(self, a: StartWrite, code: str, reason: str, now: float) -> list:
+        log.warning("write %s -> %s failed (%s): %s", a.key, a.dest, code, reason)
+        return [SendFailed(a.key, a.dest, code, reason)] + self.rendezvous.on_write_result(a.key, a.dest, False, now)
+
+    def _start_write(self, a: StartWrite, now: float) -> list:
+        peer = self._peers.get(a.dest)
+        if peer is None:
+            return self._fail_write(a, "unknown_consumer", "no handshake with this consumer rank", now)
+        if a.reg.num_tokens != a.ready.num_tokens:
+            return self._fail_write(a, "token_mismatch",
+                                    f"consumer expects {a.reg.num_tokens} tokens, producer has {a.ready.num_tokens}", now)
+        if a.reg.first_token >= a.ready.num_tokens:  # consumer already holds every token
+            self._send(peer, self._done_msg(a.key, 0, 0))
+            return self.rendezvous.on_write_result(a.key, a.dest, True, now)
+        item = _InFlight(a.key, a.dest, now, now + self.cfg.write_timeout_s, 0, start=a)
+        self._inflight.append(item)
+        return self._post_if_fenced(item, now)
+
+    def _post_if_fenced(self, item: _InFlight, now: float) -> list:
+        a = item.start
+        if not self.backend.kv_written(a.ready.fence):
+            return []
+        peer = self._peers[a.dest]
+        route = next(r for r in self._routes(peer.tp_size) if r.dst_rank == peer.rank)
+        try:
+            plan = plan_transfer(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
+                                 num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
+        except PlanError as e:
+            self._inflight.remove(item)
+            return self._fail_write(a, "bad_registration", str(e), now)
+        notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
+        try:
+            item.handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
+                                              peer.layout.mem_type, notif)
+        except TransportError as e:
+            self._inflight.remove(item)
+            return self._fail_write(a, "post_failed", str(e), now)
+        item.nbytes = plan.nbytes
+        item.posted_at = now
+        self.stats.writes_posted.inc()
+        self.stats.descs_posted.inc(plan.num_descs)
+        self.stats.post_seconds.observe(self.clock() - now)
+        return []
+
+    def _done_msg(self, key: TransferKey, nbytes: int, ndescs: int) -> WriteDone:
+        return WriteDone(transfer_id=key.transfer_id, attempt=key.attempt, producer_engine=self.cfg.engine_id,
+                         producer_rank=self.cfg.rank, nbytes=nbytes, num_descs=ndescs)
+
+    def _poll_inflight(self) -> None:
+        now = self.clock()
+        actions = []
+        for item in list(self._inflight):
+            if item.handle is None:
+                if now >= item.deadline:
+                    self._inflight.remove(item)
+                    actions += self._fail_write(item.start, "fence_timeout", "device never finished writing the KV", now)
+                else:
+                    actions += self._post_if_fenced(item, now)
+                continue
+            try:
+                state = self.transport.state(item.handle)
+            except TransportError as e:
+                log.warning("state of write %s: %s", item.key, e)
+                state = "ERR"
+            if state == "PROC" and now < item.deadline:
+                continue
+            # DONE, ERR, or timed out: the handle must be released before we may say anything.
+            if not self.transport.release(item.handle):
+                if state == "DONE":
+                    pass  # released later by NIXL's destructor; the WRITE itself has finished
+                else:
+                    continue  # still in flight and not cancellable yet: keep polling
+            self._inflight.remove(item)
+            if state == "DONE":
+                self.stats.writes_done.inc()
+                self.stats.bytes_written.inc(item.nbytes)
+                self.stats.xfer_seconds.observe(now - item.posted_at)
+                actions += self.rendezvous.on_write_result(item.key, item.dest, True, now)
+            else:
+                code = "write_error" if state == "ERR" else "write_timeout"
+                actions += self._fail_write(item.start, code, f"NIXL WRITE ended in {state}", now)
+        self._run(actions, now)

@@ -1,0 +1,160 @@
+"""One kvpush endpoint in its own OS process, driven by JSON lines on stdin (tests only).
+
+Each command is a JSON object with "op"; each reply is one JSON line.  The endpoint runs over real
+NIXL (UCX on 127.0.0.1); the device backend is chosen by name so that device backends can join the
+conformance suite unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import sys
+import time
+import traceback
+
+import msgspec
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvref import logical_view  # noqa: E402
+
+from kvpush_common.config import EndpointConfig  # noqa: E402
+from kvpush_common.consumer import ConsumerEndpoint, ProducerRef  # noqa: E402
+from kvpush_common.endpoint import nixl_transport  # noqa: E402
+from kvpush_common.faults import FaultPlan, FaultyTransport  # noqa: E402
+from kvpush_common.producer import ProducerEndpoint  # noqa: E402
+from kvpush_common.rendezvous import Release  # noqa: E402
+
+
+def make_backend(spec: dict):
+    kind = spec.pop("kind", "host")
+    if kind == "host":
+        from kvpush_common.host_backend import HostBackend
+
+        return HostBackend(**spec)
+    raise SystemExit(f"unknown backend {kind!r}")
+
+
+class Peer:
+    def __init__(self):
+        self.ep = None
+        self.backend = None
+        self.results: list[dict] = []
+
+    def op_start(self, role, cfg, backend, faults=None):
+        cfg = dict(cfg)
+        if cfg.get("secret"):
+            cfg["secret"] = cfg["secret"].encode()
+        config = EndpointConfig(**cfg)
+        self.backend = make_backend(dict(backend))
+        factory = nixl_transport
+        if faults:
+            plan = FaultPlan(**{k: tuple(v) if k == "delay_s" else v for k, v in faults.items()})
+            factory = lambda c, p: FaultyTransport(nixl_transport(c, p), plan)  # noqa: E731
+        cls = ProducerEndpoint if role == "producer" else ConsumerEndpoint
+        self.ep = cls(config, self.backend, transport_factory=factory).start()
+        port = self.ep.address[1] if role == "producer" else None
+        return {"port": port}
+
+    def op_fill(self, seed):
+        rng = np.random.default_rng(seed)
+        self.backend.buffer[:] = rng.integers(0, 256, self.backend.buffer.size, dtype=np.uint8)
+        return {}
+
+    def op_poison(self, byte, blocks=None):
+        if blocks is None:
+            self.backend.buffer.fill(byte)
+        else:
+            for r in range(len(self.backend.layout().regions)):
+                for b in blocks:
+                    self.backend.block_view(r, b).fill(byte)
+        return {}
+
+    def op_ready(self, tid, attempt, blocks, num_tokens):
+        self.ep.kv_ready(tid, attempt, blocks, num_tokens)
+        return {}
+
+    def op_expect(self, tid, attempt, producer, blocks, num_tokens, first_token=0):
+        self.ep.expect(tid, attempt, ProducerRef(**producer), blocks, num_tokens, first_token)
+        return {}
+
+    def op_abort(self, tid, attempt, reason="test abort"):
+        self.ep.abort(tid, attempt, reason)
+        return {}
+
+    def _collect(self):
+        for r in self.ep.take_finished():
+            if isinstance(r, Release):
+                self.results.append({"tid": r.key.transfer_id, "attempt": r.key.attempt,
+                                     "outcome": r.outcome.value, "reason": r.reason})
+            else:
+                self.results.append({"tid": r.key.transfer_id, "attempt": r.key.attempt,
+                                     "ok": r.ok, "reason": r.reason})
+
+    def op_wait(self, n, seconds):
+        deadline = time.monotonic() + seconds
+        while True:
+            self._collect()
+            if len(self.results) >= n or time.monotonic() >= deadline:
+                return {"results": list(self.results)}
+            time.sleep(0.005)
+
+    def op_logical(self, blocks, num_tokens):
+        layout = self.backend.layout()
+        view = logical_view(self.backend.buffer, layout, self.backend.buffer.ctypes.data, blocks, num_tokens)
+        return {"shape": list(view.shape), "data": base64.b64encode(view.tobytes()).decode()}
+
+    def op_dirty_blocks(self, poison):
+        """Block ids that hold any byte other than `poison`, in any region."""
+        layout = self.backend.layout()
+        dirty = set()
+        for r in range(len(layout.regions)):
+            for b in range(layout.num_blocks):
+                if (self.backend.block_view(r, b) != poison).any():
+                    dirty.add(b)
+        return {"blocks": sorted(dirty)}
+
+    def op_digest(self):
+        return {"sha256": hashlib.sha256(self.backend.buffer.tobytes()).hexdigest()}
+
+    def op_stats(self):
+        counts = {}
+        for metric in self.ep.stats.registry.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    label = s.labels.get("code") or s.labels.get("reason") or s.labels.get("outcome")
+                    counts[s.name + (f"[{label}]" if label else "")] = s.value
+        faults = dict(getattr(self.ep.transport, "counts", {}))
+        return {"counters": counts, "faults": faults}
+
+    def op_quit(self):
+        if self.ep is not None:
+            self.ep.close()
+        return {}
+
+
+def main() -> None:
+    peer = Peer()
+    enc = msgspec.json.Encoder()
+    out = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        if not line.strip():
+            continue
+        cmd = msgspec.json.decode(line)
+        op = cmd.pop("op")
+        try:
+            reply = {"ok": True, **getattr(peer, f"op_{op}")(**cmd)}
+        except Exception as e:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        out.write(enc.encode(reply) + b"\n")
+        out.flush()
+        if op == "quit":
+            break
+    os._exit(0)  # skip interpreter teardown: NIXL/UCX exit paths are not what these tests check
+
+
+if __name__ == "__main__":
+    main()
