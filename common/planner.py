@@ -162,7 +162,9 @@ def plan_transfer(
     d_ids = _needed(d_ids, 0, (num_tokens - first - 1) // bs_d + 1, dst, "dst", tokens)
     if np.unique(d_ids).size != d_ids.size:
         vals, counts = np.unique(d_ids, return_counts=True)
-        raise PlanError(f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other")
+        raise PlanError(
+            f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other"
+        )
 
     # ---- items: pieces of the token range (per region, to be broadcast over regions)
     tb = src.token_bytes
@@ -189,15 +191,9 @@ def plan_transfer(
             length = np.full(t.size, nh * tb, dtype=_U64)
         h = np.zeros(t.size, dtype=np.int64)
     else:
-        # one block order per side: one unit per (token, head), generated in source order
+        # one block order per side: one unit per (token, head)
         tok = np.arange(first, num_tokens, dtype=np.int64)
-        heads = np.arange(nh, dtype=np.int64)
-        if _token_runs_ok(src):  # src NHD: token-major
-            t, h = np.repeat(tok, nh), np.tile(heads, tok.size)
-        else:  # src HND: head-major within each src block
-            blk = tok // bs_s
-            order = np.lexsort((np.tile(tok, nh), np.repeat(heads, tok.size), np.tile(blk, nh)))
-            t, h = np.tile(tok, nh)[order], np.repeat(heads, tok.size)[order]
+        t, h = np.repeat(tok, nh), np.tile(np.arange(nh, dtype=np.int64), tok.size)
         length = np.full(t.size, tb, dtype=_U64)
 
     s_blk = s_ids[t // bs_s - s_first_blk].astype(_U64)
@@ -207,44 +203,51 @@ def plan_transfer(
     d_off = _offset(dst, d_rel % bs_d, h + hd0)
     del t, h, d_rel
 
-    # ---- broadcast over regions: (R, U), flattened region-major
+    # Units are ordered by source (device, address) so that every possible merge is between
+    # neighbours.  Within one region that order is (src block id, offset in block) whatever the
+    # region, so the items are sorted once; regions are sorted by (device, base).  Only when the
+    # regions' source spans interleave (blocks_first: K[b] V[b] K[b+1] ...) is a global sort needed.
+    if s_blk.size > 1 and not _is_sorted_pair(s_blk, s_off):
+        perm = np.lexsort((s_off, s_blk))
+        s_blk, s_off, d_blk, d_off, length = s_blk[perm], s_off[perm], d_blk[perm], d_off[perm], length[perm]
     s_base, s_stride, s_mem, s_dev = _region_arrays(src)
     d_base, d_stride, d_mem, d_dev = _region_arrays(dst)
+    rperm = np.lexsort((s_base, s_dev))
+    s_base, s_stride, s_mem, s_dev = s_base[rperm], s_stride[rperm], s_mem[rperm], s_dev[rperm]
+    d_base, d_stride, d_mem, d_dev = d_base[rperm], d_stride[rperm], d_mem[rperm], d_dev[rperm]
+    s_end = s_base + _U64(src.num_blocks - 1) * s_stride + _U64(src.block_bytes)
+    d_end = d_base + _U64(dst.num_blocks - 1) * d_stride + _U64(dst.block_bytes)
+    interleaved = bool(np.any((s_dev[1:] == s_dev[:-1]) & (s_base[1:] < s_end[:-1])))
+
+    # ---- broadcast over regions: (R, U), flattened region-major
     n_reg, n_items = s_base.size, length.size
     s_addr = s_base[:, None] + s_stride[:, None] * s_blk[None, :] + s_off[None, :]
     d_addr = d_base[:, None] + d_stride[:, None] * d_blk[None, :] + d_off[None, :]
+    del s_blk, s_off, d_blk, d_off
 
     # safety net (unreachable if the checks above are right): every range inside its region's span
-    for addr, layout, stride, base, side in ((d_addr, dst, d_stride, d_base, "dst"), (s_addr, src, s_stride, s_base, "src")):
-        span_end = base + _U64(layout.num_blocks - 1) * stride + _U64(layout.block_bytes)
-        bad = (addr < base[:, None]) | (addr + length[None, :] > span_end[:, None])
-        if bad.any():
-            r, u = np.argwhere(bad)[0]
-            raise PlanError(
-                f"internal error: {side} range [{int(addr[r, u])}, +{int(length[u])}) leaves region {int(r)} "
-                f"span [{int(base[r])}, {int(span_end[r])})"
-            )
+    max_len = length.max()
+    for addr, base, end, side in ((d_addr, d_base, d_end, "dst"), (s_addr, s_base, s_end, "src")):
+        lo, hi = addr.min(axis=1), addr.max(axis=1) + max_len
+        if np.any(lo < base) or np.any(hi > end):
+            bad = (addr < base[:, None]) | (addr + length[None, :] > end[:, None])
+            if bad.any():
+                r, u = np.argwhere(bad)[0]
+                raise PlanError(
+                    f"internal error: {side} range [{int(addr[r, u])}, +{int(length[u])}) leaves region "
+                    f"{int(rperm[r])} span [{int(base[r])}, {int(end[r])})"
+                )
 
     s_addr = s_addr.ravel()
     d_addr = d_addr.ravel()
     length = np.tile(length, n_reg)
     # regions whose (src mem, src dev, dst mem, dst dev) differ must never merge
     _, reg_class = np.unique(np.stack([s_mem, s_dev, d_mem, d_dev], axis=1), axis=0, return_inverse=True)
-    reg_class = reg_class.reshape(-1)
-    s_dev_u = np.repeat(s_dev, n_items)
-    d_dev_u = np.repeat(d_dev, n_items)
-    cls = np.repeat(reg_class, n_items)
-
-    # ---- order by source (device, address) so every possible merge is between neighbours
-    if np.unique(s_dev).size > 1:
-        perm = np.lexsort((s_addr, s_dev_u))
-    elif s_addr.size > 1 and not bool(np.all(s_addr[1:] >= s_addr[:-1])):
-        perm = np.argsort(s_addr, kind="stable")
-    else:
-        perm = None
-    if perm is not None:
-        s_addr, d_addr, length = s_addr[perm], d_addr[perm], length[perm]
-        s_dev_u, d_dev_u, cls = s_dev_u[perm], d_dev_u[perm], cls[perm]
+    reg_unit = np.repeat(np.arange(n_reg), n_items)  # region (sorted index) of each unit
+    if interleaved:
+        perm = np.lexsort((s_addr, s_dev[reg_unit]))
+        s_addr, d_addr, length, reg_unit = s_addr[perm], d_addr[perm], length[perm], reg_unit[perm]
+    cls = reg_class.reshape(-1)[reg_unit]
 
     # ---- merge units adjacent on both sides within one registration
     joins = (
@@ -253,10 +256,22 @@ def plan_transfer(
         & (cls[1:] == cls[:-1])
     )
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    out_len = np.add.reduceat(length, starts)
-    src_desc = np.stack([s_addr[starts], out_len, s_dev_u[starts].astype(_U64)], axis=1)
-    dst_desc = np.stack([d_addr[starts], out_len, d_dev_u[starts].astype(_U64)], axis=1)
+    reg_start = reg_unit[starts]
+    src_desc = np.empty((starts.size, 3), dtype=_U64)
+    dst_desc = np.empty((starts.size, 3), dtype=_U64)
+    src_desc[:, 0] = s_addr[starts]
+    dst_desc[:, 0] = d_addr[starts]
+    src_desc[:, 1] = np.add.reduceat(length, starts) if starts.size < length.size else length
+    dst_desc[:, 1] = src_desc[:, 1]
+    src_desc[:, 2] = s_dev[reg_start]
+    dst_desc[:, 2] = d_dev[reg_start]
     src_desc.setflags(write=False)
     dst_desc.setflags(write=False)
     nbytes = n_reg * (num_tokens - first) * nh * tb
     return TransferPlan(src=src_desc, dst=dst_desc, nbytes=nbytes)
+
+
+def _is_sorted_pair(major: np.ndarray, minor: np.ndarray) -> bool:
+    """(major, minor) rows are in non-decreasing lexicographic order."""
+    dm = major[1:].astype(np.int64) - major[:-1].astype(np.int64)
+    return bool(np.all((dm > 0) | ((dm == 0) & (minor[1:] >= minor[:-1]))))

@@ -1,5 +1,6 @@
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -95,7 +96,8 @@ def check_plan(
     s_end = {(int(a) + int(n)): i for i, (a, n, _) in enumerate(plan.src.tolist())}
     for j, (a, _n, _d) in enumerate(plan.src.tolist()):
         i = s_end.get(int(a))
-        if i is not None and s_mem[i] == s_mem[j] and d_mem[i] == d_mem[j]:
+        same_reg = i is not None and s_mem[i] == s_mem[j] and d_mem[i] == d_mem[j]
+        if same_reg and plan.src[i, 2] == plan.src[j, 2] and plan.dst[i, 2] == plan.dst[j, 2]:
             assert int(plan.dst[i, 0] + plan.dst[i, 1]) != int(plan.dst[j, 0]), f"descriptors {i},{j} not merged"
     return plan
 
@@ -170,7 +172,7 @@ def cases(draw, bs_pair=None, orders=None):
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=250, **_SETTINGS)
+@settings(max_examples=600, **_SETTINGS)
 @given(cases())
 def test_plan_copies_exactly_the_route(case):
     check_plan(**case)
@@ -226,6 +228,23 @@ def test_whole_slab_is_one_descriptor(order):
     # K and V registered separately: 4 regions, 4 descriptors
     s, sb, ss, d, db, ds = _pair(order, order, nb_s=4, nb_d=4, mem_s=[0, 1, 2, 3])
     assert check_plan(s, sb, ss, d, db, ds, HeadRoute(0, 0, 0, 0, 2), range(4), range(4), num_tokens=64).num_descs == 4
+
+
+def test_merges_never_cross_devices():
+    # the whole-slab case again, each layer's regions on its own device: one descriptor per layer
+    s, sb, ss, d, db, ds = _pair(nb_s=4, nb_d=4, layers=3)
+    s = msgspec.structs.replace(
+        s, regions=[msgspec.structs.replace(r, device_id=i // 2) for i, r in enumerate(s.regions)]
+    )
+    plan = check_plan(s, sb, ss, d, db, ds, HeadRoute(0, 0, 0, 0, 2), range(4), range(4), num_tokens=64)
+    assert plan.num_descs == 3
+    assert plan.src[:, 2].tolist() == [0, 1, 2] and plan.dst[:, 2].tolist() == [0, 0, 0]
+    d = msgspec.structs.replace(
+        d, regions=[msgspec.structs.replace(r, device_id=7 + i) for i, r in enumerate(d.regions)]
+    )
+    plan = check_plan(s, sb, ss, d, db, ds, HeadRoute(0, 0, 0, 0, 2), range(4), range(4), num_tokens=64)
+    assert plan.num_descs == 6
+    assert plan.src[:, 2].tolist() == [0, 0, 1, 1, 2, 2] and plan.dst[:, 2].tolist() == [7, 8, 9, 10, 11, 12]
 
 
 def test_blocks_first_consecutive_blocks_one_desc_per_layer():

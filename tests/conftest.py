@@ -1,0 +1,33 @@
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _has_neuron() -> bool:
+    return any(Path("/dev").glob("neuron*")) or bool(os.environ.get("KVPUSH_FORCE_NEURON"))
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = _has_gpu()
+    neuron = _has_neuron()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="hardware absent: no NVIDIA GPU on this machine"))
+        if "neuron" in item.keywords and not neuron:
+            item.add_marker(pytest.mark.skip(reason="hardware absent: no Trainium/Neuron device on this machine"))

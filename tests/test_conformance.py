@@ -1,0 +1,306 @@
+"""Backend conformance suite: push scenarios end to end over real NIXL (UCX, 127.0.0.1), producer
+and consumer ranks in separate OS processes, every destination byte verified.
+
+A device backend joins by adding its name to BACKENDS (and teaching tests/peer_proc.py to build
+it); the scenarios do not change.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+import pytest
+
+from procs import PeerProcess
+
+pytestmark = pytest.mark.nixl
+
+BACKENDS = ["host"]
+POISON = 0xAB
+GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_kind(request):
+    return request.param
+
+
+class Cluster:
+    """Producer ranks and consumer ranks of one scenario, each its own process."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.procs: list[PeerProcess] = []
+        self.producers: list[PeerProcess] = []
+        self.consumers: list[PeerProcess] = []
+        self.p_port = 0
+        self.p_tp = 1
+
+    def _spawn(self, name):
+        proc = PeerProcess(name)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, *, total_heads=2, p_tp=1, d_tp=1, p_block=16, d_block=16, p_order="HND", d_order="HND",
+              p_blocks_first=False, d_blocks_first=False, num_blocks=32, p_cfg=None, d_cfg=None,
+              p_faults=None, d_faults=None):
+        from kvpush_common.topology import local_heads
+
+        self.p_tp = p_tp
+        procs = []
+        for r in range(p_tp):
+            proc = self._spawn(f"P{r}")
+            self.producers.append(proc)
+            procs.append(proc)
+        for r in range(d_tp):
+            proc = self._spawn(f"D{r}")
+            self.consumers.append(proc)
+            procs.append(proc)
+        # Producer ranks need consecutive side-channel ports: take rank 0's free port as the base.
+        for r, proc in enumerate(self.producers):
+            first, count = local_heads(total_heads, p_tp, r)
+            cfg = dict(engine_id="P", rank=r, tp_size=p_tp, total_kv_heads=total_heads, **(p_cfg or {}))
+            if r > 0:
+                cfg["base_port"] = self.p_port
+            reply = proc.call("start", role="producer", cfg=cfg, faults=p_faults,
+                              backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=p_block,
+                                           num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO))
+            if r == 0:
+                self.p_port = reply["port"]  # rank r serves on base_port + r
+            proc.call("fill", seed=100 + r)
+        for r, proc in enumerate(self.consumers):
+            first, count = local_heads(total_heads, d_tp, r)
+            cfg = dict(engine_id="D", rank=r, tp_size=d_tp, total_kv_heads=total_heads, **(d_cfg or {}))
+            proc.call("start", role="consumer", cfg=cfg, faults=d_faults,
+                      backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=d_block,
+                                   num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO))
+            proc.call("poison", byte=POISON)
+        return self
+
+    def producer_ref(self):
+        return dict(engine_id="P", host="127.0.0.1", base_port=self.p_port, tp_size=self.p_tp)
+
+    def expect(self, tid, attempt, blocks, num_tokens, first_token=0, ranks=None):
+        for r, proc in enumerate(self.consumers):
+            if ranks is None or r in ranks:
+                proc.call("expect", tid=tid, attempt=attempt, producer=self.producer_ref(), blocks=blocks,
+                          num_tokens=num_tokens, first_token=first_token)
+
+    def ready(self, tid, attempt, blocks, num_tokens):
+        for proc in self.producers:
+            proc.call("ready", tid=tid, attempt=attempt, blocks=blocks, num_tokens=num_tokens)
+
+    def close(self):
+        for proc in self.procs:
+            proc.close()
+
+
+def wait(proc: PeerProcess, n: int, seconds: float = 20.0) -> list[dict]:
+    return proc.call("wait", n=n, seconds=seconds, timeout=seconds + 30)["results"]
+
+
+def logical(proc: PeerProcess, blocks, num_tokens) -> np.ndarray:
+    r = proc.call("logical", blocks=blocks, num_tokens=num_tokens)
+    return np.frombuffer(base64.b64decode(r["data"]), dtype=np.uint8).reshape(r["shape"])
+
+
+def assert_copied(cl: Cluster, p_blocks, d_blocks, num_tokens, first_token=0):
+    """Consumer ranks' logical KV == producer ranks' logical KV (heads gathered/split by TP)."""
+    src = np.concatenate([logical(p, p_blocks, num_tokens) for p in cl.producers], axis=2)
+    dst = np.concatenate([logical(d, d_blocks, num_tokens - first_token) for d in cl.consumers], axis=2)
+    total_heads = dst.shape[2]
+    assert src.shape[2] == total_heads  # no replication in these scenarios
+    np.testing.assert_array_equal(dst, src[:, first_token:])
+
+
+def dirty(proc: PeerProcess) -> list[int]:
+    return proc.call("dirty_blocks", poison=POISON)["blocks"]
+
+
+@pytest.fixture
+def cluster(backend_kind):
+    cl = Cluster(backend_kind)
+    yield cl
+    cl.close()
+
+
+@pytest.mark.parametrize("order", ["registration_first", "ready_first"])
+def test_push_either_order(cluster, order):
+    cl = cluster.start()
+    p_blocks, d_blocks, n = [3, 4, 9, 10], [20, 21, 7, 1], 57
+    if order == "registration_first":
+        cl.expect("r1", 0, d_blocks, n)
+        time.sleep(0.3)
+        assert dirty(cl.consumers[0]) == []
+        cl.ready("r1", 0, p_blocks, n)
+    else:
+        cl.ready("r1", 0, p_blocks, n)
+        time.sleep(0.3)
+        cl.expect("r1", 0, d_blocks, n)
+    assert wait(cl.consumers[0], 1) == [{"tid": "r1", "attempt": 0, "ok": True, "reason": ""}]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert set(dirty(cl.consumers[0])) == set(d_blocks)  # nothing outside the destination blocks
+
+
+def test_two_producer_ranks_into_one_consumer(cluster):
+    """P TP=2 (one head each) -> D TP=1 (both heads): D is ready only after both ranks wrote."""
+    cl = cluster.start(total_heads=2, p_tp=2, d_tp=1)
+    p_blocks, d_blocks, n = [0, 1, 2], [5, 9, 13], 40
+    cl.expect("tp", 0, d_blocks, n)
+    cl.producers[0].call("ready", tid="tp", attempt=0, blocks=p_blocks, num_tokens=n)
+    time.sleep(0.5)
+    assert wait(cl.consumers[0], 1, seconds=0.2) == []  # one rank done is not enough
+    cl.producers[1].call("ready", tid="tp", attempt=0, blocks=p_blocks, num_tokens=n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    for p in cl.producers:
+        assert wait(p, 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+
+
+def test_one_producer_rank_into_two_consumer_ranks(cluster):
+    """P TP=1 (two heads) -> D TP=2 (one head each): the producer splits heads across ranks."""
+    cl = cluster.start(total_heads=2, p_tp=1, d_tp=2)
+    p_blocks, d_blocks, n = [4, 5], [30, 2], 32
+    cl.ready("split", 0, p_blocks, n)
+    cl.expect("split", 0, d_blocks, n)
+    for d in cl.consumers:
+        assert wait(d, 1)[0]["ok"] is True
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+
+
+@pytest.mark.parametrize("p_block,d_block,p_order,d_order", [
+    (32, 16, "HND", "HND"), (16, 32, "HND", "NHD"), (16, 128, "NHD", "HND"),
+])
+def test_different_block_sizes_and_orders(cluster, p_block, d_block, p_order, d_order):
+    cl = cluster.start(p_block=p_block, d_block=d_block, p_order=p_order, d_order=d_order, d_blocks_first=True)
+    n = 150
+    p_blocks = list(range(31, 31 - (-(-n // p_block)), -1))
+    d_blocks = [7, 3, 11, 0, 30, 18, 22, 25, 12, 9][: -(-n // d_block)]
+    cl.expect("bs", 0, d_blocks, n)
+    cl.ready("bs", 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert set(dirty(cl.consumers[0])) == set(d_blocks)
+
+
+def test_partial_prefix_hit_writes_only_the_tail(cluster):
+    """The consumer holds the first 2 blocks already and registers the tail from token 32."""
+    cl = cluster.start()
+    p_blocks, n = [1, 2, 3, 4], 60
+    cl.expect("pfx", 0, [10, 11], n, first_token=32)
+    cl.ready("pfx", 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, p_blocks, [10, 11], n, first_token=32)
+    assert set(dirty(cl.consumers[0])) == {10, 11}
+
+
+def test_stale_attempt_is_never_paired(cluster):
+    cl = cluster.start()
+    d_blocks, n = [5, 6], 20
+    cl.expect("retry", 1, d_blocks, n)  # the consumer is on attempt 1
+    time.sleep(0.3)
+    cl.ready("retry", 0, [1, 2], n)  # old execution's KV arrives late
+    res = wait(cl.producers[0], 1)
+    assert res[0]["attempt"] == 0 and res[0]["outcome"] == "failed" and "stale" in res[0]["reason"]
+    assert dirty(cl.consumers[0]) == []  # nothing written from attempt 0
+    cl.ready("retry", 1, [3, 4], n)
+    got = wait(cl.consumers[0], 1)
+    assert got[0]["attempt"] == 1 and got[0]["ok"] is True
+    assert_copied(cl, [3, 4], d_blocks, n)
+    # and a registration from an older attempt is refused outright
+    cl.expect("retry", 0, [8], 10)
+    late = wait(cl.consumers[0], 2)[1]
+    assert late["attempt"] == 0 and late["ok"] is False
+
+
+def test_out_of_range_registration_gets_write_failed(cluster):
+    cl = cluster.start(num_blocks=32)
+    cl.ready("oob", 0, [1], 10)
+    cl.expect("oob", 0, [31 + 5], 10)  # beyond the consumer's own 32 blocks
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False and "bad_registration" in res["reason"]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"
+    assert dirty(cl.consumers[0]) == []
+
+
+def test_failed_post_sends_write_failed(cluster):
+    cl = cluster.start(p_faults=dict(fail_post=1.0))
+    cl.expect("fp", 0, [2, 3], 20)
+    cl.ready("fp", 0, [2, 3], 20)
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False and "post_failed" in res["reason"]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"
+
+
+def test_revoke_during_inflight_write_never_touches_freed_blocks(cluster):
+    """The consumer aborts while the WRITE is in flight (held 1.5 s): it may free its blocks only
+    after the producer's acknowledgement, which comes after the WRITE ended."""
+    cl = cluster.start(p_faults=dict(post_delay_s=1.5))
+    d_blocks, n = [4, 5, 6], 40
+    cl.expect("rv", 0, d_blocks, n)
+    cl.ready("rv", 0, [7, 8, 9], n)
+    time.sleep(0.4)  # the WRITE is posted and held
+    t0 = time.monotonic()
+    cl.consumers[0].call("abort", tid="rv", attempt=0)
+    res = wait(cl.consumers[0], 1)
+    freed_after = time.monotonic() - t0
+    assert res[0]["ok"] is False
+    assert freed_after > 0.8, "blocks were handed back while the WRITE could still land"
+    # The engine now reuses the blocks: poison them, give any straggling WRITE time, check.
+    cl.consumers[0].call("poison", byte=POISON, blocks=d_blocks)
+    time.sleep(1.0)
+    assert dirty(cl.consumers[0]) == []
+    assert wait(cl.producers[0], 1)[0]["outcome"] in ("cancelled", "done")
+
+
+def test_registration_expires_when_kv_never_ready(cluster):
+    fast = dict(reg_ttl_s=1.0, transfer_timeout_s=2.0, heartbeat_s=0.4, lease_s=1.0, write_timeout_s=1.0)
+    cl = cluster.start(p_cfg=fast, d_cfg=fast)
+    cl.expect("never", 0, [1], 10)
+    res = wait(cl.consumers[0], 1, seconds=15)
+    assert res and res[0]["ok"] is False
+
+
+def test_ready_kv_released_when_lease_expires(cluster):
+    cl = cluster.start(p_cfg=dict(lease_s=1.0, reg_ttl_s=1.0, heartbeat_s=0.4))
+    cl.ready("orphan", 0, [1, 2], 20)
+    res = wait(cl.producers[0], 1, seconds=10)
+    assert res[0]["outcome"] == "expired"
+
+
+def test_lost_completion_notification_fails_cleanly(cluster):
+    """WriteDone is dropped: the consumer times out, revokes, and ends; never hangs."""
+    cl = cluster.start(d_cfg=dict(transfer_timeout_s=2.0, heartbeat_s=0.4, reg_ttl_s=1.0, lease_s=1.0,
+                                  write_timeout_s=1.0),
+                       d_faults=dict(drop_notif=1.0))
+    cl.expect("lost", 0, [1], 10)
+    cl.ready("lost", 0, [1], 10)
+    res = wait(cl.consumers[0], 1, seconds=15)
+    assert res[0]["ok"] is False and "timed out" in res[0]["reason"]
+
+
+def test_hmac_on_both_sides(cluster):
+    cl = cluster.start(p_cfg=dict(secret="s3cret"), d_cfg=dict(secret="s3cret"))
+    cl.expect("mac", 0, [3], 16)
+    cl.ready("mac", 0, [4], 16)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, [4], [3], 16)
+
+
+@pytest.mark.parametrize("p_cfg,d_cfg,needle", [
+    (dict(secret="one"), dict(secret="two"), "handshake"),
+    (dict(mode="pull"), dict(), "mode mismatch"),
+    (dict(model="a"), dict(model="b"), "compatibility hash"),
+])
+def test_incompatible_peers_fail_fast(cluster, p_cfg, d_cfg, needle):
+    cl = cluster.start(p_cfg=p_cfg, d_cfg=d_cfg)
+    t0 = time.monotonic()
+    cl.expect("bad", 0, [1], 10)
+    res = wait(cl.consumers[0], 1, seconds=15)
+    assert res[0]["ok"] is False and needle in res[0]["reason"]
+    assert time.monotonic() - t0 < 10
+    assert dirty(cl.consumers[0]) == []
