@@ -129,17 +129,20 @@ class Rendezvous:
             return [SendFailed(key, dest, "stale", refusal)]
         actions = self._supersede_older(key, now)
         entry = self._entries.get(key)
+        bound = entry is not None and entry.consumer_engine is not None
+        if bound and reg.consumer_engine != entry.consumer_engine:
+            return actions + [SendFailed(key, dest, "conflict", f"{key} is bound to consumer {entry.consumer_engine}")]
+        # A refused registration neither creates an entry nor binds the key to its consumer engine.
+        expected = entry.expected if bound else self._expected_dests(reg.consumer_engine, reg.consumer_tp)
+        if dest not in expected:
+            return actions + [SendFailed(key, dest, "not_routed", f"producer does not write into consumer rank {dest[1]}")]
         if entry is None:
             if len(self._entries) >= self.max_entries:
                 return actions + [SendFailed(key, dest, "overloaded", "producer rendezvous table is full")]
             entry = self._entries[key] = _Entry()
-        if entry.consumer_engine is None:
+        if not bound:
             entry.consumer_engine = reg.consumer_engine
-            entry.expected = self._expected_dests(reg.consumer_engine, reg.consumer_tp)
-        if reg.consumer_engine != entry.consumer_engine:
-            return actions + [SendFailed(key, dest, "conflict", f"{key} is bound to consumer {entry.consumer_engine}")]
-        if dest not in entry.expected:
-            return actions + [SendFailed(key, dest, "not_routed", f"producer does not write into consumer rank {dest[1]}")]
+            entry.expected = expected
         if dest in entry.pending or dest in entry.writing or dest in entry.finished:
             return actions  # duplicate notification
         if entry.closing is not None:
@@ -180,15 +183,16 @@ class Rendezvous:
             # Unknown (registration lost, or not yet arrived): tombstone so it can never be acted on.
             self.floor.end(key, now)
             return [SendRevokeAck(key, dest)]
+        if entry.consumer_engine is not None and dest[0] != entry.consumer_engine:
+            return [SendRevokeAck(key, dest)]  # that engine has nothing pending or in flight here
+        # The consumer gave up on this key: nothing more is written for it, into any of its ranks.
+        reason = f"revoked by consumer rank {dest[1]}"
         if dest in entry.writing:
             entry.ack_after_write.add(dest)
-            return []
+            return self._close(key, entry, Outcome.CANCELLED, reason, now)
         entry.pending.pop(dest, None)
         entry.finished.setdefault(dest, False)
-        if entry.consumer_engine is None or dest[0] == entry.consumer_engine:
-            entry.closing = entry.closing or Outcome.CANCELLED
-            entry.closing_reason = entry.closing_reason or f"revoked by consumer rank {dest[1]}"
-        return [SendRevokeAck(key, dest)] + self._maybe_end(key, entry, now)
+        return [SendRevokeAck(key, dest)] + self._close(key, entry, Outcome.CANCELLED, reason, now)
 
     def on_heartbeat(self, keys: list[TransferKey], now: float) -> None:
         for key in keys:
@@ -220,6 +224,8 @@ class Rendezvous:
                 actions += self._close(key, entry, Outcome.EXPIRED, "producer lease expired", now)
             else:
                 actions += self._maybe_end(key, entry, now)
+        for key in self._entries:  # a live key keeps refusing its older attempts, however long it lives
+            self.floor.raise_to(key.transfer_id, key.attempt, now)
         self.floor.prune(now)
         return actions
 
@@ -228,11 +234,15 @@ class Rendezvous:
         if entry.ready is None or entry.closing is not None:
             return []
         actions: list[Action] = []
-        for dest, (reg, _) in list(entry.pending.items()):
+        for dest, (reg, deadline) in list(entry.pending.items()):
             del entry.pending[dest]
+            if deadline <= now:  # expired but not yet ticked: the consumer's fence wait may be running out
+                entry.finished[dest] = False
+                actions.append(SendFailed(key, dest, "expired", "registration expired before the KV was ready"))
+                continue
             entry.writing.add(dest)
             actions.append(StartWrite(key, dest, reg, entry.ready))
-        return actions
+        return actions + self._maybe_end(key, entry, now)
 
     def _close(self, key: TransferKey, entry: _Entry, outcome: Outcome, reason: str, now: float) -> list[Action]:
         """End the entry: fail pending registrations now; release once in-flight writes finish."""
@@ -250,7 +260,9 @@ class Rendezvous:
         if entry.writing or entry.pending:
             return []
         every_dest_ended = entry.expected is not None and entry.expected <= entry.finished.keys()
-        if entry.closing is None and not every_dest_ended:
+        # Without ready KV there is nothing to hold: once a destination failed, the key cannot succeed.
+        failed_before_ready = entry.ready is None and not all(entry.finished.values())
+        if entry.closing is None and not every_dest_ended and not failed_before_ready:
             return []
         del self._entries[key]
         self.floor.end(key, now)  # late readiness or registrations for this key are refused from now on

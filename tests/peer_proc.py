@@ -11,6 +11,7 @@ import base64
 import hashlib
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -43,6 +44,8 @@ class Peer:
         self.ep = None
         self.backend = None
         self.results: list[dict] = []
+        self.lock = threading.Lock()
+        self.seen_at: dict[tuple[str, int], float] = {}  # CLOCK_MONOTONIC, comparable across processes
 
     def op_start(self, role, cfg, backend, faults=None):
         cfg = dict(cfg)
@@ -56,6 +59,7 @@ class Peer:
             factory = lambda c, p: FaultyTransport(nixl_transport(c, p), plan)  # noqa: E731
         cls = ProducerEndpoint if role == "producer" else ConsumerEndpoint
         self.ep = cls(config, self.backend, transport_factory=factory).start()
+        threading.Thread(target=self._collector, daemon=True).start()
         port = self.ep.address[1] if role == "producer" else None
         return {"port": port}
 
@@ -85,6 +89,13 @@ class Peer:
         self.ep.abort(tid, attempt, reason)
         return {}
 
+    def _collector(self):
+        """Take results as they come, so their timestamps are the endpoint's, not the driver's."""
+        while True:
+            with self.lock:
+                self._collect()
+            time.sleep(0.001)
+
     def _collect(self):
         for r in self.ep.take_finished():
             if isinstance(r, Release):
@@ -93,14 +104,21 @@ class Peer:
             else:
                 self.results.append({"tid": r.key.transfer_id, "attempt": r.key.attempt,
                                      "ok": r.ok, "reason": r.reason})
+            self.seen_at[(r.key.transfer_id, r.key.attempt)] = time.monotonic()
 
     def op_wait(self, n, seconds):
         deadline = time.monotonic() + seconds
         while True:
-            self._collect()
+            with self.lock:
+                self._collect()
             if len(self.results) >= n or time.monotonic() >= deadline:
                 return {"results": list(self.results)}
             time.sleep(0.005)
+
+    def op_times(self):
+        with self.lock:
+            self._collect()
+        return {"times": [[tid, attempt, t] for (tid, attempt), t in self.seen_at.items()]}
 
     def op_logical(self, blocks, num_tokens):
         layout = self.backend.layout()
