@@ -304,3 +304,48 @@ def test_incompatible_peers_fail_fast(cluster, p_cfg, d_cfg, needle):
     assert res[0]["ok"] is False and needle in res[0]["reason"]
     assert time.monotonic() - t0 < 10
     assert dirty(cl.consumers[0]) == []
+
+
+def test_heartbeats_keep_a_long_prefill_alive(cluster):
+    """Registration TTL 1 s, prefill takes 3 s: the consumer's heartbeats renew the registration."""
+    cfg = dict(reg_ttl_s=1.0, lease_s=1.0, heartbeat_s=0.25, write_timeout_s=2.0)
+    cl = cluster.start(p_cfg=cfg, d_cfg=cfg)
+    cl.expect("long", 0, [2, 3], 30)
+    time.sleep(3.0)
+    cl.ready("long", 0, [5, 6], 30)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, [5, 6], [2, 3], 30)
+
+
+def test_consumer_abort_before_kv_ready_frees_fast_and_nothing_lands(cluster):
+    cl = cluster.start()
+    cl.expect("early", 0, [8, 9], 20)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    cl.consumers[0].call("abort", tid="early", attempt=0)
+    res = wait(cl.consumers[0], 1)
+    assert res[0]["ok"] is False and time.monotonic() - t0 < 3  # acked, not the fence wait
+    cl.ready("early", 0, [1, 2], 20)  # the prefill finishes afterwards
+    assert wait(cl.producers[0], 1)[0]["outcome"] in ("failed", "cancelled")
+    time.sleep(0.3)
+    assert dirty(cl.consumers[0]) == []
+
+
+def test_producer_abort_tells_the_consumer(cluster):
+    cl = cluster.start()
+    cl.expect("pab", 0, [4], 10)
+    time.sleep(0.3)
+    cl.producers[0].call("abort", tid="pab", attempt=0, reason="prefill aborted")
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False and "prefill aborted" in res["reason"]
+    assert dirty(cl.consumers[0]) == []
+
+
+def test_full_prefix_hit_needs_no_bytes(cluster):
+    """The consumer already caches every token: it registers nothing to write and is done at once."""
+    cl = cluster.start()
+    cl.expect("hit", 0, [], 32, first_token=32)
+    cl.ready("hit", 0, [1, 2], 32)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert dirty(cl.consumers[0]) == []
