@@ -125,6 +125,8 @@ class Completion:
             elif p.failure is not None and now >= p.fence_deadline:
                 unanswered = sorted(r for _, r in p.in_doubt())
                 out.append(self._end(key, False, f"{p.failure} (revoke unanswered by ranks {unanswered}; fence wait elapsed)", now))
+        for key in self._pending:  # a live key keeps refusing its older attempts, however long it lives
+            self.floor.raise_to(key.transfer_id, key.attempt, now)
         self.floor.prune(now)
         return out
 

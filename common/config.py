@@ -29,6 +29,7 @@ class EndpointConfig:
     handshake_workers: int = 4  # concurrent handshakes: a slow peer never blocks the others
     tombstone_s: float = 600.0
     fence_grace_s: float = 5.0  # allowance for a control message still in flight
+    prepped_lists: bool = True  # same block geometry on both sides: post from per-peer prepped lists
     poll_s: float = 0.001  # worker poll period while work is outstanding
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
 

@@ -172,6 +172,12 @@ class Endpoint:
         return None
 
     def _add_peer(self, hello: Hello) -> Peer:
+        old = self._peers.pop((hello.engine_id, hello.rank), None)
+        if old is not None:  # the peer restarted: forget its old agent (and connection) first
+            try:
+                self.transport.remove_peer(old.agent)
+            except TransportError as e:
+                log.warning("removing stale agent %s: %s", old.agent, e)
         agent = self.transport.add_peer(hello.agent_metadata)
         if agent != hello.agent_name:
             raise TransportError(f"peer agent metadata names {agent!r}, Hello claims {hello.agent_name!r}")

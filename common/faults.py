@@ -42,7 +42,7 @@ class FaultyTransport:
         self._delayed: list[tuple[float, str, bytes]] = []
         self._held: list[tuple[str, bytes]] = []  # for reordering
         self._fake_err: set[int] = set()
-        self._held_posts: dict[int, list] = {}  # id(token) -> [due, args, real handle or None]
+        self._held_posts: dict[int, list] = {}  # id(token) -> [due, post thunk, real handle or None]
         self.counts: Counter[str] = Counter()
 
     def __getattr__(self, attr):
@@ -52,21 +52,28 @@ class FaultyTransport:
         return p > 0 and self._rng.random() < p
 
     def post(self, op, peer, local: np.ndarray, remote: np.ndarray, mem_type, remote_mem_type, notif):
+        args = (op, peer, local.copy(), remote.copy(), mem_type, remote_mem_type, notif)
+        return self._faulty_post(lambda: self.inner.post(*args))
+
+    def post_prepped(self, op, local, local_idx, remote, remote_idx, notif):
+        args = (op, local, np.array(local_idx), remote, np.array(remote_idx), notif)
+        return self._faulty_post(lambda: self.inner.post_prepped(*args))
+
+    def _faulty_post(self, really_post):
         if self._hit(self.plan.fail_post):
             self.counts["fail_post"] += 1
             raise TransportError("injected fault: post failed")
         if self._hit(self.plan.err_xfer):
             self.counts["err_xfer"] += 1
-            token = object()
+            token = _Held()
             self._fake_err.add(id(token))
             return token
         if self.plan.post_delay_s > 0:
             self.counts["post_delay"] += 1
             token = _Held()
-            args = (op, peer, local.copy(), remote.copy(), mem_type, remote_mem_type, notif)
-            self._held_posts[id(token)] = [self._clock() + self.plan.post_delay_s, args, None]
+            self._held_posts[id(token)] = [self._clock() + self.plan.post_delay_s, really_post, None]
             return token
-        return self.inner.post(op, peer, local, remote, mem_type, remote_mem_type, notif)
+        return really_post()
 
     def state(self, handle):
         if id(handle) in self._fake_err:
@@ -76,7 +83,7 @@ class FaultyTransport:
             if held[2] is None:
                 if self._clock() < held[0]:
                     return "PROC"
-                held[2] = self.inner.post(*held[1])
+                held[2] = held[1]()
             return self.inner.state(held[2])
         return self.inner.state(handle)
 

@@ -15,6 +15,7 @@ class EndpointStats:
             return c.labels(**labels) if not extra else _Partial(c, labels)
 
         self.writes_posted = counter("writes_posted", "WRITEs posted into a destination rank")
+        self.writes_prepped = counter("writes_prepped", "WRITEs posted from per-peer prepped block lists")
         self.writes_done = counter("writes_done", "WRITEs that completed")
         self.writes_failed = counter("writes_failed", "WRITEs refused, failed or timed out", ("code",))
         self.bytes_written = counter("bytes_written", "payload bytes moved by completed WRITEs")

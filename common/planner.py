@@ -22,7 +22,7 @@ import numpy as np
 from .layout import KVLayout, LayoutError, check_pairable
 from .topology import HeadRoute
 
-__all__ = ["PlanError", "TransferPlan", "plan_transfer"]
+__all__ = ["PlanError", "TransferPlan", "plan_transfer", "check_block_ids"]
 
 _U64 = np.uint64
 
@@ -74,6 +74,15 @@ def _needed(ids: np.ndarray, first: int, count: int, layout: KVLayout, side: str
             f"must be in [0, {layout.num_blocks})"
         )
     return sel.astype(np.int64)
+
+
+def check_block_ids(ids, first: int, count: int, layout: KVLayout, side: str) -> np.ndarray:
+    """ids[first:first+count] as int64, each in range; on "dst" also no duplicates.  PlanError otherwise."""
+    sel = _needed(_block_ids(ids, side), first, count, layout, side, f"blocks [{first}, {first + count})")
+    if side == "dst" and np.unique(sel).size != sel.size:
+        vals, counts = np.unique(sel, return_counts=True)
+        raise PlanError(f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other")
+    return sel
 
 
 def _check_heads(layout: KVLayout, start: int, count: int, side: str) -> None:

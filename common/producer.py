@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from .blockplan import block_granular, plan_blocks, unit_table
 from .endpoint import Endpoint, Peer
 from .handshake import HandshakeServer
 from .identity import TransferKey
@@ -44,6 +45,8 @@ class ProducerEndpoint(Endpoint):
                                      tombstone_s=self.cfg.tombstone_s)
         self._inflight: list[_InFlight] = []
         self.server: HandshakeServer | None = None
+        self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
+        self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int) -> None:
@@ -105,7 +108,7 @@ class ProducerEndpoint(Endpoint):
             kind = item[0]
             if kind == "peer":
                 try:
-                    self._add_peer(item[1])
+                    self._prepare_peer(self._add_peer(item[1]))
                 except TransportError as e:
                     log.warning("could not add consumer %s: %s", item[1].agent_name, e)
             elif kind == "ready":
@@ -173,26 +176,62 @@ class ProducerEndpoint(Endpoint):
         if not self.backend.kv_written(a.ready.fence):
             return []
         peer = self._peers[a.dest]
-        route = next(r for r in self._routes(peer.tp_size) if r.dst_rank == peer.rank)
+        route = self._route_to(peer)
+        prepped = self._remote_prepped.get(a.dest)
         try:
-            plan = plan_transfer(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
-                                 num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
+            if prepped is not None:
+                plan = plan_blocks(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
+                                   num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
+            else:
+                plan = plan_transfer(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
+                                     num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
         except PlanError as e:
             self._inflight.remove(item)
             return self._fail_write(a, "bad_registration", str(e), now)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
         try:
-            item.handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
-                                              peer.layout.mem_type, notif)
+            if prepped is not None:
+                item.handle = self.transport.post_prepped("WRITE", prepped[0], plan.local_idx, prepped[1],
+                                                          plan.remote_idx, notif)
+            else:
+                item.handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
+                                                  peer.layout.mem_type, notif)
         except TransportError as e:
             self._inflight.remove(item)
             return self._fail_write(a, "post_failed", str(e), now)
         item.nbytes = plan.nbytes
         item.posted_at = now
         self.stats.writes_posted.inc()
+        if prepped is not None:
+            self.stats.writes_prepped.inc()
         self.stats.descs_posted.inc(plan.num_descs)
         self.stats.post_seconds.observe(self.clock() - now)
         return []
+
+    def _route_to(self, peer: Peer):
+        return next(r for r in self._routes(peer.tp_size) if r.dst_rank == peer.rank)
+
+    def _prepare_peer(self, peer: Peer) -> None:
+        """Prep per-block descriptor lists for this consumer rank once, if the geometry allows it."""
+        dest = (peer.engine_id, peer.rank)
+        old = self._remote_prepped.pop(dest, None)
+        if old is not None:  # the consumer rank restarted: its memory and agent are new
+            try:
+                self.transport.release_prepped(old[1])
+            except TransportError as e:
+                log.warning("releasing stale prepped list of %s: %s", peer.agent, e)
+        route = self._route_to(peer)
+        if not (self.cfg.prepped_lists and block_granular(self.layout, peer.layout, route)):
+            return
+        try:
+            hk = (route.src_head_start, route.num_heads)
+            if hk not in self._local_prepped:
+                self._local_prepped[hk] = self.transport.prep(None, unit_table(self.layout, *hk), self.layout.mem_type)
+            remote = self.transport.prep(peer.agent, unit_table(peer.layout, route.dst_head_start, route.num_heads),
+                                         peer.layout.mem_type)
+            self._remote_prepped[dest] = (self._local_prepped[hk], remote)
+        except TransportError as e:
+            log.warning("prepped lists for %s unavailable, using per-request lists: %s", peer.agent, e)
 
     def _done_msg(self, key: TransferKey, nbytes: int, ndescs: int) -> WriteDone:
         return WriteDone(transfer_id=key.transfer_id, attempt=key.attempt, producer_engine=self.cfg.engine_id,

@@ -62,6 +62,10 @@ class Transport(Protocol):
     def remove_peer(self, name: str) -> None: ...
     def post(self, op: Literal["WRITE", "READ"], peer: str, local: np.ndarray, remote: np.ndarray,
              mem_type: str, remote_mem_type: str, notif: bytes) -> object: ...
+    def prep(self, peer: str | None, descs: np.ndarray, mem_type: str) -> object: ...
+    def post_prepped(self, op: Literal["WRITE", "READ"], local: object, local_idx: np.ndarray, remote: object,
+                     remote_idx: np.ndarray, notif: bytes) -> object: ...
+    def release_prepped(self, handle: object) -> None: ...
     def state(self, handle: object) -> XferState: ...
     def release(self, handle: object) -> bool: ...
     def send_notif(self, peer: str, msg: bytes) -> None: ...
@@ -133,6 +137,23 @@ class NixlTransport:
             self.release(handle)
             raise TransportError(f"NIXL transfer({op}) to {peer} returned ERR at post")
         return handle
+
+    def prep(self, peer: str | None, descs: np.ndarray, mem_type: str) -> object:
+        """Prepare a descriptor list once (peer None: our own memory); index it per request."""
+        return self._call("prep_xfer_dlist", self._agent.prep_xfer_dlist, peer or "NIXL_INIT_AGENT",
+                          np.ascontiguousarray(descs, dtype=np.uint64), mem_type, backends=self._backends)
+
+    def post_prepped(self, op, local, local_idx, remote, remote_idx, notif):
+        handle = self._call("make_prepped_xfer", self._agent.make_prepped_xfer, op, local, local_idx, remote,
+                            remote_idx, notif, backends=self._backends)
+        state = self._call("transfer", self._agent.transfer, handle)
+        if state == "ERR":
+            self.release(handle)
+            raise TransportError(f"NIXL transfer({op}) of prepped lists returned ERR at post")
+        return handle
+
+    def release_prepped(self, handle) -> None:
+        self._call("release_dlist_handle", self._agent.release_dlist_handle, handle)
 
     def state(self, handle) -> XferState:
         return self._call("check_xfer_state", self._agent.check_xfer_state, handle)

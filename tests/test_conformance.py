@@ -126,9 +126,14 @@ def cluster(backend_kind):
     cl.close()
 
 
+PATHS = {"prepped": {}, "merged": {"prepped_lists": False}}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("order", ["registration_first", "ready_first"])
-def test_push_either_order(cluster, order):
-    cl = cluster.start()
+def test_push_either_order(cluster, order, path):
+    """Prepped per-block lists (same geometry) and per-request merged lists give the same bytes."""
+    cl = cluster.start(p_cfg=PATHS[path])
     p_blocks, d_blocks, n = [3, 4, 9, 10], [20, 21, 7, 1], 57
     if order == "registration_first":
         cl.expect("r1", 0, d_blocks, n)
@@ -143,11 +148,14 @@ def test_push_either_order(cluster, order):
     assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
     assert_copied(cl, p_blocks, d_blocks, n)
     assert set(dirty(cl.consumers[0])) == set(d_blocks)  # nothing outside the destination blocks
+    counters = cl.producers[0].call("stats")["counters"]
+    assert counters["kvpush_writes_prepped_total"] == (1 if path == "prepped" else 0)
 
 
-def test_two_producer_ranks_into_one_consumer(cluster):
+@pytest.mark.parametrize("path", PATHS)
+def test_two_producer_ranks_into_one_consumer(cluster, path):
     """P TP=2 (one head each) -> D TP=1 (both heads): D is ready only after both ranks wrote."""
-    cl = cluster.start(total_heads=2, p_tp=2, d_tp=1)
+    cl = cluster.start(total_heads=2, p_tp=2, d_tp=1, p_cfg=PATHS[path])
     p_blocks, d_blocks, n = [0, 1, 2], [5, 9, 13], 40
     cl.expect("tp", 0, d_blocks, n)
     cl.producers[0].call("ready", tid="tp", attempt=0, blocks=p_blocks, num_tokens=n)
@@ -160,9 +168,10 @@ def test_two_producer_ranks_into_one_consumer(cluster):
     assert_copied(cl, p_blocks, d_blocks, n)
 
 
-def test_one_producer_rank_into_two_consumer_ranks(cluster):
+@pytest.mark.parametrize("path", PATHS)
+def test_one_producer_rank_into_two_consumer_ranks(cluster, path):
     """P TP=1 (two heads) -> D TP=2 (one head each): the producer splits heads across ranks."""
-    cl = cluster.start(total_heads=2, p_tp=1, d_tp=2)
+    cl = cluster.start(total_heads=2, p_tp=1, d_tp=2, p_cfg=PATHS[path])
     p_blocks, d_blocks, n = [4, 5], [30, 2], 32
     cl.ready("split", 0, p_blocks, n)
     cl.expect("split", 0, d_blocks, n)
@@ -187,9 +196,10 @@ def test_different_block_sizes_and_orders(cluster, p_block, d_block, p_order, d_
     assert set(dirty(cl.consumers[0])) == set(d_blocks)
 
 
-def test_partial_prefix_hit_writes_only_the_tail(cluster):
+@pytest.mark.parametrize("path", PATHS)
+def test_partial_prefix_hit_writes_only_the_tail(cluster, path):
     """The consumer holds the first 2 blocks already and registers the tail from token 32."""
-    cl = cluster.start()
+    cl = cluster.start(p_cfg=PATHS[path])
     p_blocks, n = [1, 2, 3, 4], 60
     cl.expect("pfx", 0, [10, 11], n, first_token=32)
     cl.ready("pfx", 0, p_blocks, n)
@@ -349,3 +359,27 @@ def test_full_prefix_hit_needs_no_bytes(cluster):
     assert wait(cl.consumers[0], 1)[0]["ok"] is True
     assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
     assert dirty(cl.consumers[0]) == []
+
+
+def test_duplicated_delayed_reordered_notifications(cluster):
+    """Both sides receive duplicates, delays and reorderings: every request still ends exactly once, with
+    the right bytes."""
+    noisy = dict(seed=7, dup_notif=0.4, delay_notif=0.3, delay_s=(0.05, 0.4), reorder_notif=0.3)
+    cl = cluster.start(p_faults=noisy, d_faults={**noisy, "seed": 8}, num_blocks=64)
+    reqs = [(f"n{i}", [2 * i, 2 * i + 1], [63 - 2 * i, 62 - 2 * i], 20 + i) for i in range(8)]
+    for i, (tid, pb, db, n) in enumerate(reqs):
+        if i % 2:
+            cl.expect(tid, 0, db, n)
+            cl.ready(tid, 0, pb, n)
+        else:
+            cl.ready(tid, 0, pb, n)
+            cl.expect(tid, 0, db, n)
+    got = wait(cl.consumers[0], len(reqs), seconds=30)
+    assert sorted(r["tid"] for r in got) == sorted(t for t, *_ in reqs)  # each exactly once
+    assert all(r["ok"] for r in got), got
+    for tid, pb, db, n in reqs:
+        assert_copied(cl, pb, db, n)
+    time.sleep(0.5)
+    assert len(wait(cl.consumers[0], len(reqs) + 1, seconds=0.5)) == len(reqs)  # no late duplicates
+    faults = cl.consumers[0].call("stats")["faults"]
+    assert faults.get("dup", 0) + faults.get("delay", 0) + faults.get("reorder", 0) > 0
