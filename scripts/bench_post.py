@@ -1,10 +1,9 @@
-"""Cost of turning one request into a postable NIXL WRITE, two ways, side by side in one run:
+"""Cost of turning one request into a postable NIXL WRITE, kvpush's two ways, side by side in one run:
 
-  merged    kvpush's path: plan_transfer (numpy, merges contiguous runs) -> get_xfer_descs x2 ->
-            initialize_xfer.  Works for any pair of layouts (block sizes, head slices, orders).
-  prepped   upstream's path: per peer, prep one descriptor per (region, block) once and cache it;
-            per request compute index lists -> make_prepped_xfer.  Only expressible when both
-            sides have the same block geometry.
+  merged    plan_transfer (numpy, merges contiguous runs) -> get_xfer_descs x2 -> initialize_xfer.
+            Works for any pair of layouts (block sizes, head slices, orders).
+  prepped   blockplan: per peer, prep one descriptor per (region, block) once and cache it; per
+            request plan_blocks (index arrays) -> make_prepped_xfer.  Same block geometry only.
 
 Only preparation is timed (the bytes moved are the same either way).  Shape: a Qwen3-32B rank at
 TP=8 (64 layers, 1 KV head, head_dim 128, bf16), block 16, a 16k-token request, with the source
@@ -24,6 +23,7 @@ import numpy as np
 os.environ.setdefault("UCX_MODULES", "^ib")
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
+from kvpush_common.blockplan import plan_blocks, unit_table  # noqa: E402
 from kvpush_common.layout import contiguous_layout, slab_bytes  # noqa: E402
 from kvpush_common.planner import plan_transfer  # noqa: E402
 from kvpush_common.topology import HeadRoute  # noqa: E402
@@ -61,16 +61,9 @@ def main():
     peer = a.add_remote_agent(b.get_agent_metadata())
     route = HeadRoute(0, 0, 0, 0, 1)
 
-    # prepped: one descriptor per (region, block), prepared once per side and cached
-    def unit_table(layout):
-        bases = np.array([r.base for r in layout.regions], np.uint64)[:, None]
-        strides = np.array([r.block_stride for r in layout.regions], np.uint64)[:, None]
-        addrs = (bases + strides * np.arange(num_blocks, dtype=np.uint64)[None, :]).ravel()
-        return np.stack([addrs, np.full_like(addrs, layout.block_bytes), np.zeros_like(addrs)], axis=1)
-
     t = time.perf_counter()
-    local_h = a.prep_xfer_dlist("NIXL_INIT_AGENT", unit_table(src), "DRAM")
-    remote_h = a.prep_xfer_dlist(peer, unit_table(dst), "DRAM")
+    local_h = a.prep_xfer_dlist("NIXL_INIT_AGENT", unit_table(src, 0, 1), "DRAM")
+    remote_h = a.prep_xfer_dlist(peer, unit_table(dst, 0, 1), "DRAM")
     prep_once_ms = (time.perf_counter() - t) * 1e3
 
     rng = np.random.default_rng(0)
@@ -86,10 +79,8 @@ def main():
             return plan.num_descs
 
         def prepped():
-            regions = np.arange(2 * args.layers, dtype=np.int64)[:, None] * num_blocks
-            li = (regions + sblk[None, :]).ravel().astype(np.int32)
-            ri = (regions + dblk[None, :]).ravel().astype(np.int32)
-            h = a.make_prepped_xfer("WRITE", local_h, li, remote_h, ri, b"n")
+            bp = plan_blocks(src, dst, route, sblk, dblk, num_tokens=args.tokens)
+            h = a.make_prepped_xfer("WRITE", local_h, bp.local_idx, remote_h, bp.remote_idx, b"n")
             a.release_xfer_handle(h)
 
         ndesc = merged()
