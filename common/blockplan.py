@@ -36,8 +36,14 @@ def _slice_contiguous(layout: KVLayout, num_heads: int) -> bool:
 
 
 def block_granular(src: KVLayout, dst: KVLayout, route: HeadRoute) -> bool:
-    """Can this route move whole blocks between prepped per-block lists?"""
-    return (src.block_size == dst.block_size and len(src.regions) == len(dst.regions)
+    """Can this route move whole blocks between prepped per-block lists?
+
+    The head slice must be one contiguous range inside a block on both sides, and hold its bytes in
+    the same arrangement: same block size, and the same block order unless the slice is a single
+    head or a block holds a single token (then NHD and HND store identical bytes).
+    """
+    same_arrangement = src.order == dst.order or route.num_heads == 1 or src.block_size == 1
+    return (same_arrangement and src.block_size == dst.block_size and len(src.regions) == len(dst.regions)
             and len(src.regions) * max(src.num_blocks, dst.num_blocks) < 2**31  # int32 indices
             and src.token_bytes == dst.token_bytes
             and _slice_contiguous(src, route.num_heads) and _slice_contiguous(dst, route.num_heads))

@@ -18,7 +18,7 @@ from .handshake import HandshakeError, request_hello
 from .identity import TransferKey
 from .topology import producers_for
 from .transport import TransportError
-from .wire import MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, Register, Revoke, RevokeAck, WriteDone, WriteFailed
+from .wire import MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, Register, Revoke, RevokeAck, WriteDone, WriteFailed
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class ConsumerEndpoint(Endpoint):
                                             reason=a.reason[:500]))
 
     def _on_expect(self, e: Expect, now: float) -> list:
+        if len(e.block_ids) > MAX_BLOCK_IDS or not 0 <= e.first_token <= e.num_tokens < 2**31:
+            return [Received(e.key, False, f"registration out of bounds: {len(e.block_ids)} blocks, tokens "
+                                           f"[{e.first_token}, {e.num_tokens})")]
         try:
             ranks = producers_for(self.cfg.total_kv_heads, e.producer.tp_size, self.cfg.tp_size, self.cfg.rank)
         except ValueError as err:

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import numpy as np
 
 from .transport import Transport, TransportError
@@ -30,6 +31,7 @@ class FaultPlan:
     err_xfer: float = 0.0  # the post succeeds, the transfer then reports ERR (nothing is sent)
     post_delay_s: float = 0.0  # hold every post this long (PROC) before really posting: a slow WRITE
     match: Callable[[bytes], bool] | None = None  # notif faults apply only where this is true
+    match_tag: str | None = None  # ... or only to messages of this wire tag ("hb", "reg", "done", ...)
 
 
 class FaultyTransport:
@@ -104,9 +106,11 @@ class FaultyTransport:
     def get_notifs(self) -> dict[str, list[bytes]]:
         now = self._clock()
         out: list[tuple[str, bytes]] = []
+        tag = b"\xa1t" + msgspec.msgpack.encode(self.plan.match_tag) if self.plan.match_tag else None
         for peer, msgs in self.inner.get_notifs().items():
             for msg in msgs:
-                if self.plan.match is not None and not self.plan.match(msg):
+                skip = (self.plan.match is not None and not self.plan.match(msg)) or (tag is not None and tag not in msg)
+                if skip:
                     out.append((peer, msg))
                     continue
                 if self._hit(self.plan.drop_notif):

@@ -165,8 +165,8 @@ class ProducerEndpoint(Endpoint):
             return self._fail_write(a, "token_mismatch",
                                     f"consumer expects {a.reg.num_tokens} tokens, producer has {a.ready.num_tokens}", now)
         if a.reg.first_token >= a.ready.num_tokens:  # consumer already holds every token
-            self._send(peer, self._done_msg(a.key, 0, 0))
-            return self.rendezvous.on_write_result(a.key, a.dest, True, now)
+            sent = self._send(peer, self._done_msg(a.key, 0, 0))
+            return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
         item = _InFlight(a.key, a.dest, now, now + self.cfg.write_timeout_s, 0, start=a)
         self._inflight.append(item)
         return self._post_if_fenced(item, now)
@@ -175,6 +175,7 @@ class ProducerEndpoint(Endpoint):
         a = item.start
         if not self.backend.kv_written(a.ready.fence):
             return []
+        t_post = self.clock()
         peer = self._peers[a.dest]
         route = self._route_to(peer)
         prepped = self._remote_prepped.get(a.dest)
@@ -200,12 +201,12 @@ class ProducerEndpoint(Endpoint):
             self._inflight.remove(item)
             return self._fail_write(a, "post_failed", str(e), now)
         item.nbytes = plan.nbytes
-        item.posted_at = now
+        item.posted_at = t_post
         self.stats.writes_posted.inc()
         if prepped is not None:
             self.stats.writes_prepped.inc()
         self.stats.descs_posted.inc(plan.num_descs)
-        self.stats.post_seconds.observe(self.clock() - now)
+        self.stats.post_seconds.observe(self.clock() - t_post)
         return []
 
     def _route_to(self, peer: Peer):

@@ -132,10 +132,18 @@ class NixlTransport:
         ldescs = self._call("get_xfer_descs", self._agent.get_xfer_descs, np.ascontiguousarray(local, dtype=np.uint64), mem_type)
         rdescs = self._call("get_xfer_descs", self._agent.get_xfer_descs, np.ascontiguousarray(remote, dtype=np.uint64), remote_mem_type)
         handle = self._call("initialize_xfer", self._agent.initialize_xfer, op, ldescs, rdescs, peer, notif, backends=self._backends)
-        state = self._call("transfer", self._agent.transfer, handle)
+        return self._start(handle, f"transfer({op}) to {peer}")
+
+    def _start(self, handle, what: str):
+        """Post a created handle; on failure release it (nothing was sent) and raise."""
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as e:
+            self.release(handle)
+            raise TransportError(f"NIXL {what} failed: {type(e).__name__}: {e}") from e
         if state == "ERR":
             self.release(handle)
-            raise TransportError(f"NIXL transfer({op}) to {peer} returned ERR at post")
+            raise TransportError(f"NIXL {what} returned ERR at post")
         return handle
 
     def prep(self, peer: str | None, descs: np.ndarray, mem_type: str) -> object:
@@ -146,11 +154,7 @@ class NixlTransport:
     def post_prepped(self, op, local, local_idx, remote, remote_idx, notif):
         handle = self._call("make_prepped_xfer", self._agent.make_prepped_xfer, op, local, local_idx, remote,
                             remote_idx, notif, backends=self._backends)
-        state = self._call("transfer", self._agent.transfer, handle)
-        if state == "ERR":
-            self.release(handle)
-            raise TransportError(f"NIXL transfer({op}) of prepped lists returned ERR at post")
-        return handle
+        return self._start(handle, f"transfer({op}) of prepped lists")
 
     def release_prepped(self, handle) -> None:
         self._call("release_dlist_handle", self._agent.release_dlist_handle, handle)

@@ -182,7 +182,7 @@ def test_one_producer_rank_into_two_consumer_ranks(cluster, path):
 
 
 @pytest.mark.parametrize("p_block,d_block,p_order,d_order", [
-    (32, 16, "HND", "HND"), (16, 32, "HND", "NHD"), (16, 128, "NHD", "HND"),
+    (32, 16, "HND", "HND"), (16, 32, "HND", "NHD"), (16, 128, "NHD", "HND"), (16, 16, "NHD", "HND"),
 ])
 def test_different_block_sizes_and_orders(cluster, p_block, d_block, p_order, d_order):
     cl = cluster.start(p_block=p_block, d_block=d_block, p_order=p_order, d_order=d_order, d_blocks_first=True)
@@ -267,12 +267,26 @@ def test_revoke_during_inflight_write_never_touches_freed_blocks(cluster):
     assert wait(cl.producers[0], 1)[0]["outcome"] in ("cancelled", "done")
 
 
-def test_registration_expires_when_kv_never_ready(cluster):
+def test_registration_expires_without_heartbeats(cluster):
+    """The producer never hears the consumer's heartbeats: the registration's TTL runs out there and the
+    consumer is told (WriteFailed "expired") long before its own transfer timeout."""
+    fast = dict(reg_ttl_s=1.0, heartbeat_s=0.4, lease_s=1.0, write_timeout_s=1.0)
+    cl = cluster.start(p_cfg=fast, d_cfg=dict(fast, transfer_timeout_s=30.0),
+                       p_faults=dict(drop_notif=1.0, match_tag="hb"))
+    t0 = time.monotonic()
+    cl.expect("never", 0, [1], 10)
+    res = wait(cl.consumers[0], 1, seconds=15)
+    assert res[0]["ok"] is False and "expired" in res[0]["reason"]
+    assert time.monotonic() - t0 < 10
+    assert cl.producers[0].call("stats")["faults"]["drop"] >= 1
+
+
+def test_consumer_gives_up_after_transfer_timeout(cluster):
     fast = dict(reg_ttl_s=1.0, transfer_timeout_s=2.0, heartbeat_s=0.4, lease_s=1.0, write_timeout_s=1.0)
     cl = cluster.start(p_cfg=fast, d_cfg=fast)
     cl.expect("never", 0, [1], 10)
     res = wait(cl.consumers[0], 1, seconds=15)
-    assert res and res[0]["ok"] is False
+    assert res and res[0]["ok"] is False and "timed out" in res[0]["reason"]
 
 
 def test_ready_kv_released_when_lease_expires(cluster):

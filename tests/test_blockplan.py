@@ -1,0 +1,84 @@
+"""Block-granular plans (prepped per-block lists) against the independent numpy reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush_common.blockplan import block_granular, plan_blocks, unit_table
+from kvpush_common.layout import contiguous_layout, slab_bytes
+from kvpush_common.planner import PlanError
+from kvpush_common.topology import routes
+from kvref import logical_view
+
+
+def _side(rng, *, heads, bs, order, blocks_first, num_blocks, geo):
+    probe = contiguous_layout(0, num_heads=heads, block_size=bs, num_blocks=num_blocks, order=order,
+                              blocks_first=blocks_first, **geo)
+    buf = np.empty(slab_bytes(probe), np.uint8)
+    layout = contiguous_layout(buf.ctypes.data, num_heads=heads, block_size=bs, num_blocks=num_blocks, order=order,
+                               blocks_first=blocks_first, **geo)
+    return buf, layout
+
+
+def _copy(buf_s, ls, buf_d, ld, route, plan):
+    """Apply a block plan the way NIXL would: entry i of one unit table onto entry j of the other."""
+    us = unit_table(ls, route.src_head_start, route.num_heads)[plan.local_idx]
+    ud = unit_table(ld, route.dst_head_start, route.num_heads)[plan.remote_idx]
+    for (sa, ln, _), (da, _, _) in zip(us, ud):
+        so, do = int(sa) - buf_s.ctypes.data, int(da) - buf_d.ctypes.data
+        buf_d[do:do + int(ln)] = buf_s[so:so + int(ln)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_block_plans_match_the_reference(data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    total = data.draw(st.sampled_from([1, 2, 4]))
+    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    route = data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]))
+    geo = dict(num_layers=data.draw(st.integers(1, 3)), head_dim=data.draw(st.integers(1, 8)), dtype_size=2)
+    nblk = 12
+    buf_s, ls = _side(rng, heads=total // p_tp, bs=bs, order=data.draw(st.sampled_from(["NHD", "HND"])),
+                      blocks_first=data.draw(st.booleans()), num_blocks=nblk, geo=geo)
+    buf_d, ld = _side(rng, heads=total // d_tp, bs=bs, order=data.draw(st.sampled_from(["NHD", "HND"])),
+                      blocks_first=data.draw(st.booleans()), num_blocks=nblk, geo=geo)
+    n = data.draw(st.integers(1, 6 * bs))
+    first = data.draw(st.integers(0, (n - 1) // bs)) * bs
+    sblk = rng.permutation(nblk)[: -(-n // bs)]
+    dblk = rng.permutation(nblk)[: -(-(n - first) // bs)]
+    buf_s[:] = rng.integers(0, 256, buf_s.size, dtype=np.uint8)
+    buf_d[:] = 0xAB
+    if not block_granular(ls, ld, route):
+        with pytest.raises(PlanError):
+            plan_blocks(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first)
+        return
+    plan = plan_blocks(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first)
+    _copy(buf_s, ls, buf_d, ld, route, plan)
+    hs, hd, h = route.src_head_start, route.dst_head_start, route.num_heads
+    src = logical_view(buf_s, ls, buf_s.ctypes.data, sblk, n)[:, first:, hs:hs + h]
+    dst = logical_view(buf_d, ld, buf_d.ctypes.data, dblk, n - first)[:, :, hd:hd + h]
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_mixed_block_orders_with_several_heads_are_not_block_granular():
+    geo = dict(num_layers=1, head_dim=4, block_size=16, num_blocks=4)
+    nhd, hnd = contiguous_layout(0, num_heads=2, order="NHD", **geo), contiguous_layout(1 << 20, num_heads=2, order="HND", **geo)
+    assert not block_granular(nhd, hnd, routes(2, 1, 1)[0])
+    one = dict(geo, num_heads=1)
+    assert block_granular(contiguous_layout(0, order="NHD", **one), contiguous_layout(1 << 20, order="HND", **one),
+                          routes(1, 1, 1)[0])
+
+
+def test_out_of_range_and_duplicate_ids_are_refused():
+    geo = dict(num_layers=1, num_heads=1, head_dim=4, block_size=4, num_blocks=4)
+    a, b = contiguous_layout(0, **geo), contiguous_layout(1 << 20, **geo)
+    r = routes(1, 1, 1)[0]
+    with pytest.raises(PlanError, match="out of range"):
+        plan_blocks(a, b, r, [0, 1], [1, 4], num_tokens=8)
+    with pytest.raises(PlanError, match="more than once"):
+        plan_blocks(a, b, r, [0, 1], [2, 2], num_tokens=8)
+    with pytest.raises(PlanError, match="block ids"):
+        plan_blocks(a, b, r, [0], [2, 3], num_tokens=8)
