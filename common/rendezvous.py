@@ -124,6 +124,11 @@ class Rendezvous:
     def on_register(self, reg: Register, now: float) -> list[Action]:
         key = TransferKey(reg.transfer_id, reg.attempt)
         dest = (reg.consumer_engine, reg.consumer_rank)
+        entry = self._entries.get(key)
+        # Duplicates first: a live key may already be below the floor (superseded, or a newer attempt
+        # revoked), and a "stale" WriteFailed would tell its consumer nothing lands while a WRITE may.
+        if entry is not None and (dest in entry.pending or dest in entry.writing or dest in entry.finished):
+            return []  # duplicate notification
         refusal = self.floor.refusal(key)
         if refusal:
             return [SendFailed(key, dest, "stale", refusal)]
@@ -152,6 +157,9 @@ class Rendezvous:
         return actions + self._match(key, entry, now)
 
     def on_ready(self, key: TransferKey, ready: ReadyKV, now: float) -> list[Action]:
+        entry = self._entries.get(key)
+        if entry is not None and entry.ready is not None:
+            return []  # engine reported readiness twice; keep the first (releasing now would free KV in flight)
         refusal = self.floor.refusal(key)
         if refusal:
             return [Release(key, Outcome.FAILED, refusal)]

@@ -176,6 +176,23 @@ def test_duplicate_registration_ignored():
     assert rv2.entry_state(K)["finished"] == {D0: True}
 
 
+def test_duplicate_registration_of_superseded_key_while_writing_is_ignored():
+    """A replayed registration must not get "stale" while its WRITE is in flight: the consumer would
+    take that WriteFailed as "nothing more lands" and could free the blocks under the WRITE."""
+    rv = make()
+    rv.on_ready(K, READY, 0.0)
+    rv.on_register(reg(), 0.0)
+    rv.on_register(reg(attempt=1), 1.0)  # supersedes attempt 0, whose WRITE is in flight
+    assert rv.on_register(reg(), 1.5) == []
+    rv2 = make()
+    rv2.on_ready(K, READY, 0.0)
+    rv2.on_register(reg(), 0.0)
+    rv2.on_revoke(TransferKey("t", 2), D0, 1.0)  # unknown newer attempt: floor rises above attempt 0
+    assert rv2.on_register(reg(), 1.5) == []
+    assert rv2.on_ready(K, ReadyKV((3,), 20), 1.6) == []  # nor a Release of the KV being read
+    assert rv2.on_write_result(K, D0, True, 2.0) == [Release(K, Outcome.DONE)]
+
+
 def test_duplicate_ready_keeps_first():
     rv = make()
     rv.on_ready(K, READY, 0.0)
@@ -536,7 +553,9 @@ class RendezvousMachine(RuleBasedStateMachine):
     @rule(key=keys_st)
     def ready(self, key):
         if key in self.ready_given:
-            return  # the engine reports readiness once per key
+            if self.releases[key] == 0:  # the engine reported readiness twice: the first one stands
+                assert self.rv.on_ready(key, ReadyKV((99,), 20), self.now) == []
+            return  # (after its Release a duplicate cannot be told from a stale readiness)
         ready = ReadyKV((hash(key) % 100,), 20, fence=object())
         self.ready_given[key] = ready
         self.apply(self.rv.on_ready(key, ready, self.now))
