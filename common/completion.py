@@ -51,7 +51,8 @@ class _Pending:
 
 class Completion:
     def __init__(self, *, transfer_timeout_s: float = 60.0, fence_wait_s: float = 45.0, tombstone_s: float = 600.0):
-        """`fence_wait_s` bounds how long a revoked producer may still write (its lease + write timeout)."""
+        """`fence_wait_s` bounds how long a revoked, silent producer may still write: its registration
+        TTL (heartbeats stop on failure) plus its write timeout plus a grace (EndpointConfig.fence_wait_s)."""
         self.transfer_timeout_s = transfer_timeout_s
         self.fence_wait_s = fence_wait_s
         self.floor = AttemptFloor(tombstone_s)
@@ -73,14 +74,23 @@ class Completion:
         return out
 
     def start(self, key: TransferKey, expected: frozenset[Producer], now: float) -> list[Received]:
+        """Begin waiting for `key`.  A key already in progress is left as it is (callers check first:
+        answering it would end a live key while WRITEs may still land in its blocks)."""
+        if key in self._pending:
+            return []
         refusal = self.floor.refusal(key)
-        if refusal or key in self._pending:
-            return [Received(key, False, refusal or f"{key} is already in progress")]
+        if refusal:
+            return [Received(key, False, refusal)]
         if not expected:
             return [Received(key, False, "no producer rank is routed to this consumer rank")]
         self.floor.raise_to(key.transfer_id, key.attempt, now)
         self._pending[key] = _Pending(expected=expected, deadline=now + self.transfer_timeout_s)
         return []
+
+    def wants_registration(self, key: TransferKey) -> bool:
+        """Still waiting and not failing: registering now is allowed (a failing key must not invite WRITEs)."""
+        p = self._pending.get(key)
+        return p is not None and p.failure is None
 
     def on_registered(self, key: TransferKey, producer: Producer) -> None:
         """Call just before the registration is sent: from then on a WRITE may land."""
@@ -97,8 +107,8 @@ class Completion:
 
     def on_failed(self, key: TransferKey, producer: Producer, reason: str, now: float) -> list[Received | SendRevoke]:
         p = self._pending.get(key)
-        if p is None or producer not in p.expected:
-            return []
+        if p is None or producer not in p.expected or producer in p.done:
+            return []  # a failure after that producer's done is a replay: its bytes are in
         p.quiet.add(producer)
         return self._fail(key, p, f"producer rank {producer[1]}: {reason}", now)
 

@@ -116,6 +116,9 @@ class ConsumerEndpoint(Endpoint):
                                             reason=a.reason[:500]))
 
     def _on_expect(self, e: Expect, now: float) -> list:
+        if e.key in self.completion:
+            log.warning("ignoring a second expect() for live key %s", e.key)
+            return []
         if len(e.block_ids) > MAX_BLOCK_IDS or not 0 <= e.first_token <= e.num_tokens < 2**31:
             return [Received(e.key, False, f"registration out of bounds: {len(e.block_ids)} blocks, tokens "
                                            f"[{e.first_token}, {e.num_tokens})")]
@@ -129,6 +132,8 @@ class ConsumerEndpoint(Endpoint):
             return out
         out = []
         for prod in sorted(expected):
+            if not self.completion.wants_registration(e.key):
+                break  # an earlier producer rank already failed it
             if prod in self._peers:
                 out += self._register(e, self._peers[prod], now)
             else:
@@ -148,6 +153,10 @@ class ConsumerEndpoint(Endpoint):
             if reason is None and (hello.engine_id, hello.rank, hello.tp_size) != (ref.engine_id, rank, ref.tp_size):
                 reason = (f"expected producer {ref.engine_id} rank {rank} of TP {ref.tp_size}, found "
                           f"{hello.engine_id} rank {hello.rank} of TP {hello.tp_size}")
+            if reason is None and hello.write_timeout_ms > self.cfg.write_timeout_s * 1000:
+                # our fence wait after a revoke assumes no WRITE outlives our own write_timeout_s
+                reason = (f"producer write_timeout_s {hello.write_timeout_ms / 1000:g} exceeds this consumer's "
+                          f"{self.cfg.write_timeout_s:g}: raise the consumer's write_timeout_s")
             self._enqueue(("peer_fail", prod, reason) if reason else ("peer_ok", prod, hello))
         except HandshakeError as err:
             self._enqueue(("peer_fail", prod, str(err)))
@@ -162,7 +171,7 @@ class ConsumerEndpoint(Endpoint):
         except TransportError as err:
             return self._on_peer_fail(prod, f"could not load producer agent: {err}", now)
         for e in self._connecting.pop(prod, []):
-            if e.key in self.completion:
+            if self.completion.wants_registration(e.key):
                 out += self._register(e, peer, now)
         return out
 

@@ -150,7 +150,8 @@ class Endpoint:
     def local_hello(self) -> Hello:
         return Hello(engine_id=self.cfg.engine_id, role=self.role, rank=self.cfg.rank, tp_size=self.cfg.tp_size,
                      mode=self.cfg.mode, compat_hash=self.compat, total_kv_heads=self.cfg.total_kv_heads,
-                     agent_name=self.cfg.agent_name, agent_metadata=self._agent_md, layout=self.layout)
+                     agent_name=self.cfg.agent_name, agent_metadata=self._agent_md, layout=self.layout,
+                     write_timeout_ms=int(self.cfg.write_timeout_s * 1000))
 
     def check_peer_hello(self, hello: Hello, want_role: str) -> str | None:
         """Reason to refuse a peer, or None."""

@@ -126,7 +126,8 @@ class ProducerEndpoint(Endpoint):
             elif isinstance(msg, Revoke):
                 actions += self.rendezvous.on_revoke(key, (peer.engine_id, peer.rank), now)
             elif isinstance(msg, Heartbeat):
-                self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now)
+                self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
+                                             peer.engine_id)
         actions += self.rendezvous.tick(now)
         self._run(actions, now)
         self._poll_inflight()

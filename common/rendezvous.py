@@ -202,10 +202,13 @@ class Rendezvous:
         entry.finished.setdefault(dest, False)
         return [SendRevokeAck(key, dest)] + self._close(key, entry, Outcome.CANCELLED, reason, now)
 
-    def on_heartbeat(self, keys: list[TransferKey], now: float) -> None:
+    def on_heartbeat(self, keys: list[TransferKey], now: float, consumer_engine: str | None = None) -> None:
+        """Renew leases and registration deadlines; a key bound to another consumer is left alone."""
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:
+                continue
+            if consumer_engine is not None and entry.consumer_engine not in (None, consumer_engine):
                 continue
             if entry.ready is not None:
                 entry.lease_deadline = max(entry.lease_deadline, now + self.lease_s)
@@ -276,7 +279,8 @@ class Rendezvous:
         self.floor.end(key, now)  # late readiness or registrations for this key are refused from now on
         if entry.ready is None:
             return []
-        if entry.closing is None and all(entry.finished[d] for d in entry.expected):
+        written = entry.expected is not None and all(entry.finished.get(d, False) for d in entry.expected)
+        if written and entry.closing in (None, Outcome.EXPIRED):  # the lease ran out under a WRITE that succeeded
             return [Release(key, Outcome.DONE)]
         outcome = entry.closing or Outcome.FAILED
         return [Release(key, outcome, entry.closing_reason or "a write into a destination rank failed")]

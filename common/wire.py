@@ -74,6 +74,7 @@ class Hello(_Msg, tag="hello"):
     agent_name: Id
     agent_metadata: bytes
     layout: KVLayout
+    write_timeout_ms: Annotated[int, Meta(ge=1, le=3_600_000)] = 30_000  # the producer's WRITE bound
 
 
 class HelloReject(_Msg, tag="reject"):

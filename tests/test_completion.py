@@ -315,6 +315,10 @@ class CompletionMachine(RuleBasedStateMachine):
 
     @rule(key=keys_st, prod=prods_st)
     def failed(self, key, prod):
+        p = self.live.get(key)
+        if p is not None and prod in p.done:  # a failure replayed after that producer's done: ignored
+            assert self.c.on_failed(key, prod, "boom", self.now) == []
+            return
         self._answer(key, prod, lambda: self.c.on_failed(key, prod, "boom", self.now), True)
 
     @rule(key=keys_st, prod=prods_st)
@@ -380,3 +384,23 @@ CompletionMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_completion_state_machine = CompletionMachine.TestCase
+
+
+def test_second_start_of_a_live_key_changes_nothing():
+    c = started()
+    assert c.start(K, BOTH, 1.0) == []  # not a Received: the key is live and WRITEs may land
+    assert K in c and c.wants_registration(K)
+
+
+def test_failing_key_wants_no_more_registrations():
+    c = started(expected=BOTH, register=False)
+    c.on_registered(K, P0)
+    out = c.on_failed(K, P0, "boom", 1.0)
+    assert not c.wants_registration(K) and [type(a).__name__ for a in out] == ["Received"]
+
+
+def test_failure_replayed_after_done_is_ignored():
+    c = started()
+    assert c.on_done(K, P0, 1.0) == []
+    assert c.on_failed(K, P0, "stale replay", 1.5) == []
+    assert c.on_done(K, P1, 2.0) == [Received(K, True, "")]

@@ -319,6 +319,7 @@ def test_hmac_on_both_sides(cluster):
     (dict(secret="one"), dict(secret="two"), "handshake"),
     (dict(mode="pull"), dict(), "mode mismatch"),
     (dict(model="a"), dict(model="b"), "compatibility hash"),
+    (dict(write_timeout_s=60.0), dict(write_timeout_s=30.0), "write_timeout_s"),
 ])
 def test_incompatible_peers_fail_fast(cluster, p_cfg, d_cfg, needle):
     cl = cluster.start(p_cfg=p_cfg, d_cfg=d_cfg)

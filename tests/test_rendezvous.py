@@ -659,3 +659,19 @@ def test_random_interleavings_tp2_always_end(seed):
             m.tick()
         m.table_is_consistent()
     m.teardown()
+
+
+def test_heartbeat_from_another_consumer_does_not_renew():
+    rv = make()
+    rv.on_register(reg(engine="D"), 0.0)
+    rv.on_heartbeat([K], TTL_MS / 1000.0 - 0.1, consumer_engine="E")  # a different consumer engine
+    out = rv.tick(TTL_MS / 1000.0 + 0.01)
+    assert kinds(out) == ["SendFailed"] and out[0].code == "expired"
+
+
+def test_lease_expiry_under_a_successful_write_reports_done():
+    rv = make()
+    rv.on_ready(K, READY, 0.0)
+    (sw,) = rv.on_register(reg(), 0.0)
+    assert rv.tick(LEASE + 1) == []  # the WRITE is still in flight
+    assert rv.on_write_result(K, sw.dest, True, LEASE + 2) == [Release(K, Outcome.DONE)]
