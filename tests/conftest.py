@@ -4,6 +4,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI runs each property test on a fixed sequence of examples (no flaky red builds); locally they
+# explore new random examples every run.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
