@@ -398,3 +398,36 @@ def test_duplicated_delayed_reordered_notifications(cluster):
     assert len(wait(cl.consumers[0], len(reqs) + 1, seconds=0.5)) == len(reqs)  # no late duplicates
     faults = cl.consumers[0].call("stats")["faults"]
     assert faults.get("dup", 0) + faults.get("delay", 0) + faults.get("reorder", 0) > 0
+
+
+def test_write_ending_in_err_sends_write_failed(cluster):
+    cl = cluster.start(p_faults=dict(err_xfer=1.0))
+    cl.expect("err", 0, [2], 10)
+    cl.ready("err", 0, [3], 10)
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False and "write_error" in res["reason"]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"
+
+
+def test_token_count_mismatch_is_refused(cluster):
+    cl = cluster.start()
+    cl.expect("tok", 0, [2, 3], 30)
+    cl.ready("tok", 0, [4, 5], 20)
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False and "token_mismatch" in res["reason"]
+    assert dirty(cl.consumers[0]) == []
+
+
+def test_handshake_timeout_fails_the_request(cluster):
+    import socket
+
+    cl = cluster.start(d_cfg=dict(handshake_timeout_s=1.0))
+    with socket.socket() as s:  # a port with nobody behind it
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    t0 = time.monotonic()
+    cl.consumers[0].call("expect", tid="hs", attempt=0, blocks=[1], num_tokens=10,
+                         producer=dict(engine_id="P", host="127.0.0.1", base_port=dead_port, tp_size=1))
+    res = wait(cl.consumers[0], 1, seconds=15)[0]
+    assert res["ok"] is False and "handshake" in res["reason"]
+    assert time.monotonic() - t0 < 8
