@@ -298,9 +298,8 @@ def test_ready_kv_released_when_lease_expires(cluster):
 
 def test_lost_completion_notification_fails_cleanly(cluster):
     """WriteDone is dropped: the consumer times out, revokes, and ends; never hangs."""
-    cl = cluster.start(d_cfg=dict(transfer_timeout_s=2.0, heartbeat_s=0.4, reg_ttl_s=1.0, lease_s=1.0,
-                                  write_timeout_s=1.0),
-                       d_faults=dict(drop_notif=1.0))
+    fast = dict(transfer_timeout_s=2.0, heartbeat_s=0.4, reg_ttl_s=1.0, lease_s=1.0, write_timeout_s=1.0)
+    cl = cluster.start(p_cfg=fast, d_cfg=fast, d_faults=dict(drop_notif=1.0))
     cl.expect("lost", 0, [1], 10)
     cl.ready("lost", 0, [1], 10)
     res = wait(cl.consumers[0], 1, seconds=15)
