@@ -51,6 +51,10 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
     mem_type: Literal["DRAM", "VRAM"] = "DRAM"
     head_offset: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    # 2: a K plane and a V plane per layer.  1: one region per layer whose (block, head) rows hold K
+    # and V together (vLLM's CPU cache: [block, head, 2 * block_size, head_size]); `head_dim` is then
+    # the row width, token positions are not addressable inside a block, and only whole blocks move.
+    kv_planes: Literal[1, 2] = 2
 
     @property
     def token_bytes(self) -> int:
@@ -71,9 +75,9 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return reg.base, reg.base + (self.num_blocks - 1) * reg.block_stride + self.block_bytes
 
     def validate(self) -> "KVLayout":
-        if len(self.regions) != 2 * self.num_layers:
+        if len(self.regions) != self.kv_planes * self.num_layers:
             raise LayoutError(
-                f"layout has {len(self.regions)} regions for {self.num_layers} layers; expected 2 per layer (K, V)"
+                f"layout has {len(self.regions)} regions for {self.num_layers} layers; expected {self.kv_planes} per layer"
             )
         for i, reg in enumerate(self.regions):
             if reg.block_stride < self.block_bytes:
@@ -86,17 +90,20 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def geometry(self) -> tuple:
         """What both sides must agree on whatever their TP size, block size or block order."""
-        return (self.num_layers, self.head_dim, self.dtype, self.dtype_size)
+        return (self.num_layers, self.head_dim, self.dtype, self.dtype_size, self.kv_planes)
 
 
 def check_pairable(src: KVLayout, dst: KVLayout) -> None:
     """Raise LayoutError with the first mismatch that makes a byte-exact copy impossible."""
     if src.geometry() != dst.geometry():
-        names = ("num_layers", "head_dim", "dtype", "dtype_size")
+        names = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes")
         diffs = [f"{n}: {a} vs {b}" for n, a, b in zip(names, src.geometry(), dst.geometry()) if a != b]
         raise LayoutError("KV geometry differs between producer and consumer: " + ", ".join(diffs))
     if len(src.regions) != len(dst.regions):
         raise LayoutError(f"region count differs: {len(src.regions)} vs {len(dst.regions)}")
+    if src.kv_planes == 1 and (src.block_size, src.order) != (dst.block_size, dst.order):
+        raise LayoutError("K/V-interleaved layouts move whole blocks only: block size and block order must match "
+                          f"({src.block_size} {src.order} vs {dst.block_size} {dst.order})")
 
 
 def contiguous_layout(

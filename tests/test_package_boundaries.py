@@ -18,7 +18,18 @@ def _imports(pkg_dir: Path) -> set[str]:
 
 
 def test_core_imports_no_backend():
-    assert not _imports(ROOT / "common") & {"kvpush_cuda", "kvpush_neuron", "torch"}
+    assert not _imports(ROOT / "common") & {"kvpush_cuda", "kvpush_neuron"}
+
+
+def test_only_the_vllm_connector_imports_vllm_or_torch():
+    for py in (ROOT / "common").rglob("*.py"):
+        if (ROOT / "common" / "vllm") in py.parents:
+            continue
+        tree = ast.parse(py.read_text())
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        assert not mods & {"vllm", "torch"}, py
 
 
 def test_backends_do_not_import_each_other():

@@ -1,0 +1,85 @@
+"""KVPushConnector: vLLM's KV connector interface over the kvpush core (facade).
+
+The scheduler-role instance delegates to SchedulerSide, the worker-role instance to WorkerSide.
+Device backends subclass this and override `make_backend` (kvpush_cuda, kvpush_neuron).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                               KVConnectorTransferResults)
+
+from ..device import DeviceBackend
+from .metadata import KVPushMetadata
+from .scheduler import SchedulerSide
+from .settings import ConnectorSettings
+from .worker import WorkerSide
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_vllm(vllm_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self.settings)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), self.make_backend)
+
+    def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
+        from .host_cache import VllmCpuCache
+
+        return VllmCpuCache(kv_caches, head_offset)
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVPushMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_push_work()
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPushMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # the whole request's KV is in place before it is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None  # the push happens after the request finishes, from the writer thread
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

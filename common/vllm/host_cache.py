@@ -1,0 +1,65 @@
+"""vLLM's CPU KV cache tensors described as a kvpush DeviceBackend.
+
+vLLM's CPU attention keeps one tensor per layer shaped [num_blocks, num_kv_heads, block_size,
+2 * head_size] (layout LBHNC): each (block, head) row block holds that head's K rows then its V rows.
+kvpush describes it as one region per layer (`kv_planes=1`) and moves whole blocks.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from ..device import DeviceBackend
+from ..layout import KVLayout, LayoutError, Region
+
+
+def _layer_order(name: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
+
+
+def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) -> tuple[KVLayout, np.ndarray]:
+    names = sorted(kv_caches, key=_layer_order)
+    first = kv_caches[names[0]]
+    if first.dim() != 4 or first.device.type != "cpu":
+        raise LayoutError(f"expected 4-D CPU KV tensors [blocks, heads, block_size, 2*head_size], got "
+                          f"{tuple(first.shape)} on {first.device}")
+    nb, nh, bs, row = first.shape
+    e = first.element_size()
+    if first.stride() != (nh * bs * row, bs * row, row, 1):
+        raise LayoutError(f"KV tensor {names[0]} is not packed block-major (strides {first.stride()})")
+    storages: dict[int, int] = {}
+    regions = []
+    for name in names:
+        t = kv_caches[name]
+        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
+            raise LayoutError(f"KV tensor {name} differs from {names[0]} in shape, stride or dtype")
+        st = t.untyped_storage()
+        mem_id = storages.setdefault(st.data_ptr(), len(storages))
+        regions.append(Region(base=t.data_ptr(), block_stride=nh * bs * row * e, mem_id=mem_id, device_id=0))
+    layout = KVLayout(num_layers=len(names), num_heads=nh, head_dim=row, dtype_size=e,
+                      dtype=str(first.dtype).removeprefix("torch."), block_size=bs, num_blocks=nb, order="HND",
+                      regions=regions, mem_type="DRAM", head_offset=head_offset, kv_planes=1).validate()
+    seen, regs = set(), []
+    for name in names:
+        st = kv_caches[name].untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            regs.append([st.data_ptr(), st.nbytes(), 0])
+    return layout, np.array(regs, dtype=np.uint64)
+
+
+class VllmCpuCache(DeviceBackend):
+    name = "vllm-cpu"
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int):
+        self._kv_caches = kv_caches  # keep the tensors (and their memory) alive
+        self._layout, self._regions = describe_cpu_caches(kv_caches, head_offset)
+
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    def registration_regions(self) -> np.ndarray:
+        return self._regions

@@ -1,0 +1,48 @@
+"""What the scheduler side hands the worker side each step (it rides in SchedulerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .params import ProducerIdentity
+
+
+@dataclass(frozen=True)
+class RecvOp:
+    """Consumer: blocks allocated for tokens [first_token, num_tokens); register them."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    producer: ProducerIdentity
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+@dataclass(frozen=True)
+class SendOp:
+    """Producer: the prompt's KV is computed in these blocks; push it once registered."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class AbortOp:
+    req_id: str
+    transfer_id: str
+    attempt: int
+    reason: str
+
+
+@dataclass
+class KVPushMetadata(KVConnectorMetadata):
+    recvs: list[RecvOp] = field(default_factory=list)
+    sends: list[SendOp] = field(default_factory=list)
+    aborts: list[AbortOp] = field(default_factory=list)

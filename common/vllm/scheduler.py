@@ -1,0 +1,98 @@
+"""Scheduler side of KVPushConnector (runs in vLLM's EngineCore process).
+
+It only decides and stages: which requests receive (consumer) or send (producer) KV, and which
+blocks stay allocated until the worker side reports the transfer ended.  No NIXL here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from .metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
+from .params import DecodeLeg, IdentityProbe, PrefillLeg, parse_leg
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings):
+        self.settings = settings
+        self._meta = KVPushMetadata()
+        self._awaiting: dict[str, DecodeLeg] = {}  # consumer: registered, not yet finished_recving
+        self._handled: set[str] = set()  # consumer: registered once; a later pass (recompute) loads nothing
+        self._abandoned: set[str] = set()  # consumer: finished while awaiting; blocks held until recv ends
+        self._sending: set[str] = set()  # producer: blocks held until finished_sending
+
+    # ---- consumer ------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        leg = parse_leg(request.kv_transfer_params)
+        if not isinstance(leg, DecodeLeg) or request.request_id in self._handled:
+            return 0, False
+        remaining = request.num_prompt_tokens - num_computed_tokens
+        return (remaining, True) if remaining > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0 or request.request_id in self._handled:
+            return
+        leg = parse_leg(request.kv_transfer_params)
+        if not isinstance(leg, DecodeLeg):
+            return
+        block_ids = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
+        first = request.num_prompt_tokens - num_external_tokens  # local prefix-cache hit, block aligned
+        self._awaiting[request.request_id] = leg
+        self._handled.add(request.request_id)
+        self._meta.recvs.append(RecvOp(request.request_id, leg.transfer_id, leg.attempt, leg.producer, block_ids,
+                                       request.num_prompt_tokens, first))
+
+    # ---- both ----------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> KVPushMetadata:
+        meta, self._meta = self._meta, KVPushMetadata()
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        leg = parse_leg(request.kv_transfer_params)
+        if leg is None:
+            return False, None
+        if isinstance(leg, IdentityProbe):
+            return False, {"kvpush_identity": _identity_dict(self.settings)}
+        if isinstance(leg, DecodeLeg):
+            self._handled.discard(request.request_id)
+            if request.request_id in self._awaiting:  # aborted while its KV may still be landing
+                self._abandoned.add(request.request_id)
+                self._meta.aborts.append(AbortOp(request.request_id, leg.transfer_id, leg.attempt,
+                                                 f"decode request ended ({request.status.name})"))
+                return True, None
+            return False, None
+        # PrefillLeg
+        if self.settings.role != "producer":
+            return False, None
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not normal or not block_ids:
+            self._meta.aborts.append(AbortOp(request.request_id, leg.transfer_id, leg.attempt,
+                                             f"prefill ended {request.status.name}"))
+            return False, None
+        self._sending.add(request.request_id)
+        self._meta.sends.append(SendOp(request.request_id, leg.transfer_id, leg.attempt, tuple(block_ids),
+                                       request.num_prompt_tokens))
+        return True, {"kvpush_transfer": {"transfer_id": leg.transfer_id, "attempt": leg.attempt,
+                                          "engine_id": self.settings.engine_id}}
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._sending.discard(req_id)
+        for req_id in connector_output.finished_recving or ():
+            self._awaiting.pop(req_id, None)
+            self._abandoned.discard(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while blocks wait for a transfer to end (so get_finished runs)."""
+        return bool(self._sending or self._abandoned or self._meta.recvs or self._meta.sends or self._meta.aborts)
+
+
+def _identity_dict(settings: ConnectorSettings) -> dict:
+    ident = settings.identity()
+    return {"engine_id": ident.engine_id, "host": ident.host, "port": ident.port, "tp_size": ident.tp_size}

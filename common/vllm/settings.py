@@ -1,0 +1,67 @@
+"""kvpush settings of a vLLM instance, read once from `kv_transfer_config`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from ..config import EndpointConfig
+from ..transport import TransportConfig
+from .params import ProducerIdentity
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    role: Literal["producer", "consumer"]
+    engine_id: str
+    model: str
+    tp_size: int
+    total_kv_heads: int
+    host: str
+    port: int  # side channel base port (producer): rank r serves on port + r
+    secret: bytes | None
+    backend: str
+    timeouts: dict
+    ready_delay_s: float  # test knob: producer reports KV ready this much later (forces registration first)
+    register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
+
+    @classmethod
+    def from_vllm(cls, vllm_config) -> "ConnectorSettings":
+        kt = vllm_config.kv_transfer_config
+        extra = dict(kt.kv_connector_extra_config or {})
+        if kt.kv_role == "kv_producer":
+            role = "producer"
+        elif kt.kv_role == "kv_consumer":
+            role = "consumer"
+        else:
+            raise ValueError(f"KVPushConnector needs kv_role kv_producer or kv_consumer, got {kt.kv_role!r}")
+        secret = extra.get("secret") or os.environ.get("KVPUSH_SECRET")
+        timeouts = {k: float(extra[k]) for k in ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s",
+                                                  "transfer_timeout_s", "handshake_timeout_s") if k in extra}
+        model_config = vllm_config.model_config
+        return cls(
+            role=role,
+            engine_id=str(kt.engine_id),
+            # the compatibility hash names the model by what clients call it, so that a control run can
+            # pair a prefill instance serving other weights under the same name
+            model=str(extra.get("model_id") or model_config.served_model_name or model_config.model),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            total_kv_heads=model_config.get_total_num_kv_heads(),
+            host=str(extra.get("host", os.environ.get("KVPUSH_SIDE_CHANNEL_HOST", "127.0.0.1"))),
+            port=int(extra.get("port", os.environ.get("KVPUSH_SIDE_CHANNEL_PORT", 5700))),
+            secret=secret.encode() if isinstance(secret, str) else secret,
+            backend=str(extra.get("backend", "UCX")),
+            timeouts=timeouts,
+            ready_delay_s=float(extra.get("debug_ready_delay_s", 0.0)),
+            register_delay_s=float(extra.get("debug_register_delay_s", 0.0)),
+        )
+
+    def identity(self) -> ProducerIdentity:
+        return ProducerIdentity(engine_id=self.engine_id, host=self.host, port=self.port, tp_size=self.tp_size)
+
+    def endpoint_config(self, rank: int) -> EndpointConfig:
+        return EndpointConfig(engine_id=self.engine_id, rank=rank, tp_size=self.tp_size,
+                              total_kv_heads=self.total_kv_heads, model=self.model, mode="push", host=self.host,
+                              base_port=self.port, transport=TransportConfig(backend=self.backend),
+                              secret=self.secret, **self.timeouts)

@@ -1,0 +1,98 @@
+"""Worker side of KVPushConnector (one per TP rank, in vLLM's worker process).
+
+Per-step hooks only hand work to the kvpush endpoint's queues and drain its results; every NIXL
+call happens on the endpoint's own worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from ..consumer import ConsumerEndpoint, ProducerRef
+from ..device import DeviceBackend
+from ..identity import TransferKey
+from ..producer import ProducerEndpoint
+from ..rendezvous import Outcome, Release
+from ..topology import local_heads
+from .metadata import KVPushMetadata
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+BackendFactory = Callable[[dict, int], DeviceBackend]
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, rank: int, make_backend: BackendFactory):
+        self.settings = settings
+        self.rank = rank
+        self._make_backend = make_backend
+        self.endpoint: ProducerEndpoint | ConsumerEndpoint | None = None
+        self._req_of: dict[TransferKey, str] = {}
+        self._finished_reqs: set[str] = set()  # producer: ids the scheduler reported finished
+        self._released: set[str] = set()  # producer: released but not yet reported finished by the scheduler
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
+        backend = self._make_backend(kv_caches, first)
+        cfg = self.settings.endpoint_config(self.rank)
+        cls = ProducerEndpoint if self.settings.role == "producer" else ConsumerEndpoint
+        self.endpoint = cls(cfg, backend).start()
+        where = f" on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if cls is ProducerEndpoint else ""
+        log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
+
+    def start_load_kv(self, meta: KVPushMetadata) -> None:
+        ep = self.endpoint
+        for op in meta.recvs:
+            key = TransferKey(op.transfer_id, op.attempt)
+            self._req_of[key] = op.req_id
+            ref = ProducerRef(op.producer.engine_id, op.producer.host, op.producer.port, op.producer.tp_size)
+            args = (op.transfer_id, op.attempt, ref, op.block_ids, op.num_tokens, op.first_token)
+            self._later(self.settings.register_delay_s, ep.expect, args)
+        for op in meta.sends:
+            self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
+            args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens)
+            self._later(self.settings.ready_delay_s, ep.kv_ready, args)
+        for op in meta.aborts:
+            ep.abort(op.transfer_id, op.attempt, op.reason)
+
+    @staticmethod
+    def _later(delay_s: float, fn, args) -> None:
+        if delay_s > 0:  # test knob; a timer thread, never the engine thread
+            threading.Timer(delay_s, fn, args).start()
+        else:
+            fn(*args)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.endpoint is None:
+            return out
+        self._finished_reqs |= finished_req_ids
+        for r in self.endpoint.take_finished():
+            req_id = self._req_of.pop(r.key, None)
+            if req_id is None:
+                continue
+            if isinstance(r, Release):
+                if r.outcome is not Outcome.DONE:
+                    log.warning("kvpush send %s (%s) ended %s: %s", req_id, r.key, r.outcome.value, r.reason)
+                self._released.add(req_id)
+            else:
+                out.finished_recving.add(req_id)
+                if not r.ok:
+                    log.warning("kvpush recv %s (%s) failed: %s", req_id, r.key, r.reason)
+                    out.failed_recving.add(req_id)
+        # vLLM wants finished sends only for ids it already reported finished to this worker
+        ready = self._released & self._finished_reqs
+        out.finished_sending |= ready
+        self._released -= ready
+        self._finished_reqs -= ready
+        return out
+
+    def shutdown(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

@@ -1,0 +1,70 @@
+"""Make a small random-weight Llama model and its tokenizer locally (nothing is downloaded).
+
+Deterministic by seed: the tokenizer is a byte-level BPE trained on Python's own standard-library
+sources (sorted, first 200 files), the weights come from torch's seeded generator.  A different
+seed gives the same shapes and tokenizer with other weights (the control in the vLLM tests).
+
+    python scripts/make_tiny_model.py OUT_DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+from pathlib import Path
+
+
+def train_tokenizer(out: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.glob("*.py"))[:200]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train(files, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(out)
+
+
+def make_model(out: Path, seed: int, vocab: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=1024)
+    args = ap.parse_args()
+    out = Path(args.out)
+    stamp = out / "kvpush-tiny.json"
+    want = {"seed": args.seed, "vocab": args.vocab, "version": 1}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        print(f"{out}: up to date")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out, args.vocab)
+    make_model(out, args.seed, args.vocab)
+    stamp.write_text(json.dumps(want))
+    print(f"{out}: tiny Llama (seed {args.seed}) and tokenizer written")
+
+
+if __name__ == "__main__":
+    main()
