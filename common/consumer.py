@@ -106,6 +106,7 @@ class ConsumerEndpoint(Endpoint):
     def _act(self, out: list) -> None:
         for a in out:
             if isinstance(a, Received):
+                self.event("received" if a.ok else "recv_failed", a.key, reason=a.reason[:200])
                 (self.stats.received_ok if a.ok else self.stats.received_failed).inc()
                 self._outbox.append(a)
             elif isinstance(a, SendRevoke):
@@ -191,6 +192,7 @@ class ConsumerEndpoint(Endpoint):
                                   first_token=e.first_token, num_tokens=e.num_tokens,
                                   ttl_ms=int(self.cfg.reg_ttl_s * 1000)))
         if sent:
+            self.event("registered", e.key, producer_rank=peer.rank, first_token=e.first_token, blocks=len(e.block_ids))
             return []
         return self.completion.on_failed(e.key, prod, "could not send the registration", now)
 

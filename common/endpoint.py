@@ -17,6 +17,7 @@ from typing import Callable
 
 from .config import EndpointConfig
 from .device import DeviceBackend
+from .events import EventLog
 from .layout import KVLayout
 from .metrics import EndpointStats
 from .topology import local_heads
@@ -58,6 +59,7 @@ class Endpoint:
         self.codec = Codec(cfg.secret)
         self.clock = clock
         self.stats = EndpointStats(cfg.engine_id, self.role)
+        self.event = EventLog.from_env(cfg.engine_id, self.role, cfg.rank)
         self.compat = compat_hash(mode=cfg.mode, model=cfg.model, num_layers=self.layout.num_layers,
                                   total_kv_heads=cfg.total_kv_heads, head_dim=self.layout.head_dim,
                                   dtype=self.layout.dtype)

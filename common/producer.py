@@ -112,6 +112,7 @@ class ProducerEndpoint(Endpoint):
                 except TransportError as e:
                     log.warning("could not add consumer %s: %s", item[1].agent_name, e)
             elif kind == "ready":
+                self.event("kv_ready", item[1])
                 actions += self.rendezvous.on_ready(item[1], item[2], now)
             elif kind == "abort":
                 actions += self.rendezvous.on_local_abort(item[1], item[2], now)
@@ -122,6 +123,7 @@ class ProducerEndpoint(Endpoint):
                     actions.append(SendFailed(key, (peer.engine_id, peer.rank), "bad_registration",
                                               "consumer_tp differs from the handshake"))
                     continue
+                self.event("registration", key, consumer_rank=peer.rank)
                 actions += self.rendezvous.on_register(msg, now)
             elif isinstance(msg, Revoke):
                 actions += self.rendezvous.on_revoke(key, (peer.engine_id, peer.rank), now)
@@ -151,6 +153,7 @@ class ProducerEndpoint(Endpoint):
                     self._send(peer, RevokeAck(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
                                                producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank))
             elif isinstance(a, Release):
+                self.event("released", a.key, outcome=a.outcome.value)
                 self.stats.released.labels(outcome=a.outcome.value).inc()
                 self._outbox.append(a)
 
@@ -203,6 +206,7 @@ class ProducerEndpoint(Endpoint):
             return self._fail_write(a, "post_failed", str(e), now)
         item.nbytes = plan.nbytes
         item.posted_at = t_post
+        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs)
         self.stats.writes_posted.inc()
         if prepped is not None:
             self.stats.writes_prepped.inc()
@@ -264,6 +268,7 @@ class ProducerEndpoint(Endpoint):
                 else:
                     continue  # still in flight and not cancellable yet: keep polling
             self._inflight.remove(item)
+            self.event("write_" + ("done" if state == "DONE" else "failed"), item.key, state=state)
             if state == "DONE":
                 self.stats.writes_done.inc()
                 self.stats.bytes_written.inc(item.nbytes)

