@@ -50,11 +50,13 @@ class WorkerSide:
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
+            ep.event("recv_staged", key)
             ref = ProducerRef(op.producer.engine_id, op.producer.host, op.producer.port, op.producer.tp_size)
             args = (op.transfer_id, op.attempt, ref, op.block_ids, op.num_tokens, op.first_token)
             self._later(self.settings.register_delay_s, ep.expect, args)
         for op in meta.sends:
             self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
+            ep.event("send_staged", TransferKey(op.transfer_id, op.attempt))
             args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens)
             self._later(self.settings.ready_delay_s, ep.kv_ready, args)
         for op in meta.aborts:
