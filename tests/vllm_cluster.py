@@ -83,14 +83,18 @@ class Process:
 
 class VllmServer(Process):
     def __init__(self, name: str, model: Path, *, role: str | None, log_dir: Path, core: str, extra: dict | None = None,
-                 port: int | None = None, failure_policy: str = "fail", env: dict | None = None):
+                 port: int | None = None, failure_policy: str = "fail", env: dict | None = None,
+                 kv_config: dict | None = None):
+        """`kv_config` replaces the kvpush --kv-transfer-config (e.g. vLLM's own NIXL connectors)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "512",
                 "--max-num-seqs", "8", "--enforce-eager", "--seed", "0", "--served-model-name", "tiny",
                 ]
-        if role is not None:
+        if kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_config)]
+        elif role is not None:
             kv = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": failure_policy,
                   "kv_connector_extra_config": extra or {}}
             argv += ["--kv-transfer-config", json.dumps(kv)]
