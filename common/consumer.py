@@ -53,6 +53,7 @@ class ConsumerEndpoint(Endpoint):
                                         thread_name_prefix=f"kvpush-hs-{self.cfg.rank}")
         self._connecting: dict[tuple[str, int], list[Expect]] = {}  # producer rank -> waiting requests
         self._next_heartbeat = 0.0
+        self._expected_at: dict[TransferKey, float] = {}
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
@@ -106,6 +107,9 @@ class ConsumerEndpoint(Endpoint):
     def _act(self, out: list) -> None:
         for a in out:
             if isinstance(a, Received):
+                started = self._expected_at.pop(a.key, None)
+                if started is not None and a.ok:
+                    self.stats.recv_wait_seconds.observe(self.clock() - started)
                 self.event("received" if a.ok else "recv_failed", a.key, reason=a.reason[:200])
                 (self.stats.received_ok if a.ok else self.stats.received_failed).inc()
                 self._outbox.append(a)
@@ -131,6 +135,7 @@ class ConsumerEndpoint(Endpoint):
         out = self.completion.start(e.key, expected, now)
         if out:
             return out
+        self._expected_at[e.key] = now
         out = []
         for prod in sorted(expected):
             if not self.completion.wants_registration(e.key):

@@ -28,6 +28,10 @@ class EndpointStats:
         self.released = counter("requests_released", "producer requests whose blocks were released", ("outcome",))
         self.post_seconds = Histogram("kvpush_post_seconds", "time to plan and post one WRITE", list(labels),
                                       registry=self.registry).labels(**labels)
+        self.handoff_seconds = Histogram("kvpush_handoff_seconds", "producer: KV ready to every WRITE done",
+                                         list(labels), registry=self.registry).labels(**labels)
+        self.recv_wait_seconds = Histogram("kvpush_recv_wait_seconds", "consumer: blocks registered to KV usable",
+                                           list(labels), registry=self.registry).labels(**labels)
         self.xfer_seconds = Histogram("kvpush_xfer_seconds", "time from post to WRITE completion", list(labels),
                                       registry=self.registry).labels(**labels)
 

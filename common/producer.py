@@ -16,7 +16,7 @@ from .endpoint import Endpoint, Peer
 from .handshake import HandshakeServer
 from .identity import TransferKey
 from .planner import PlanError, plan_transfer
-from .rendezvous import (Dest, Release, ReadyKV, Rendezvous, SendFailed, SendRevokeAck, StartWrite)
+from .rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
 from .topology import routes_from
 from .transport import TransportError
 from .wire import Heartbeat, Hello, Register, Revoke, RevokeAck, WriteDone, WriteFailed
@@ -47,6 +47,7 @@ class ProducerEndpoint(Endpoint):
         self.server: HandshakeServer | None = None
         self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
         self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
+        self._ready_at: dict[TransferKey, float] = {}
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int) -> None:
@@ -113,6 +114,7 @@ class ProducerEndpoint(Endpoint):
                     log.warning("could not add consumer %s: %s", item[1].agent_name, e)
             elif kind == "ready":
                 self.event("kv_ready", item[1])
+                self._ready_at[item[1]] = now
                 actions += self.rendezvous.on_ready(item[1], item[2], now)
             elif kind == "abort":
                 actions += self.rendezvous.on_local_abort(item[1], item[2], now)
@@ -154,6 +156,9 @@ class ProducerEndpoint(Endpoint):
                                                producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank))
             elif isinstance(a, Release):
                 self.event("released", a.key, outcome=a.outcome.value)
+                ready_at = self._ready_at.pop(a.key, None)
+                if ready_at is not None and a.outcome is Outcome.DONE:
+                    self.stats.handoff_seconds.observe(self.clock() - ready_at)
                 self.stats.released.labels(outcome=a.outcome.value).inc()
                 self._outbox.append(a)
 

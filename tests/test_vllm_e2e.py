@@ -35,10 +35,11 @@ def cluster():
     env = {"KVPUSH_EVENT_DIR": str(events)}
     model_a = make_model(work / "tiny-a", seed=0)
     model_b = make_model(work / "tiny-b", seed=1)
+    p_metrics, d_metrics = free_port_pair(), free_port_pair()
     p = VllmServer("P", model_a, role="kv_producer", log_dir=work, core="0", env=env,
-                   extra={"port": free_port_pair(), **FAST})
+                   extra={"port": free_port_pair(), "metrics_port": p_metrics, **FAST})
     d = VllmServer("D", model_a, role="kv_consumer", log_dir=work, core="1", env=env,
-                   extra={"transfer_timeout_s": 15, **FAST})
+                   extra={"transfer_timeout_s": 15, "metrics_port": d_metrics, **FAST})
     pb = VllmServer("Pb", model_b, role="kv_producer", log_dir=work, core="0", env=env,
                     extra={"port": free_port_pair(), **FAST})
     servers = [p, d, pb]
@@ -48,7 +49,8 @@ def cluster():
         routers = [Router(mode="push", prefill=[p.url], decode=[d.url], log_dir=work, extra=["--retries", "1"]),
                    Router(mode="push", prefill=[pb.url], decode=[d.url], log_dir=work)]
         wait_healthy(routers, timeout=120)
-        yield {"P": p, "D": d, "Pb": pb, "router": routers[0], "control": routers[1], "events": events, "work": work}
+        yield {"P": p, "D": d, "Pb": pb, "router": routers[0], "control": routers[1], "events": events, "work": work,
+               "metrics": {"P": f"http://127.0.0.1:{p_metrics}", "D": f"http://127.0.0.1:{d_metrics}"}}
     finally:
         for proc in routers + servers:
             proc.stop()
@@ -88,6 +90,22 @@ def test_push_through_router_matches_a_single_instance(cluster):
     ev = read_events(cluster["events"])
     assert sum(e["ev"] == "received" for e in ev) >= len(ps)  # D really received every prompt's KV
     assert not [e for e in ev if e["ev"] in ("recv_failed", "write_failed")]
+    p_metrics, d_metrics = scrape(cluster["metrics"]["P"]), scrape(cluster["metrics"]["D"])
+    assert p_metrics["kvpush_writes_done_total"] >= len(ps) and p_metrics["kvpush_bytes_written_total"] > 0
+    assert p_metrics["kvpush_handoff_seconds_count"] >= len(ps)
+    assert d_metrics["kvpush_requests_received_total"] >= len(ps) and d_metrics["kvpush_recv_wait_seconds_count"] >= len(ps)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over label sets}."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def test_chat_completions_stream_through_router(cluster):

@@ -25,6 +25,7 @@ class ConnectorSettings:
     timeouts: dict
     ready_delay_s: float  # test knob: producer reports KV ready this much later (forces registration first)
     register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
+    metrics_port: int = 0  # >0: each TP rank serves its kvpush Prometheus metrics on metrics_port + rank
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -55,6 +56,7 @@ class ConnectorSettings:
             timeouts=timeouts,
             ready_delay_s=float(extra.get("debug_ready_delay_s", 0.0)),
             register_delay_s=float(extra.get("debug_register_delay_s", 0.0)),
+            metrics_port=int(extra.get("metrics_port", 0)),
         )
 
     def identity(self) -> ProducerIdentity:

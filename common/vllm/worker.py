@@ -42,6 +42,11 @@ class WorkerSide:
         cfg = self.settings.endpoint_config(self.rank)
         cls = ProducerEndpoint if self.settings.role == "producer" else ConsumerEndpoint
         self.endpoint = cls(cfg, backend).start()
+        if self.settings.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port + self.rank, addr=self.settings.host,
+                              registry=self.endpoint.stats.registry)
         where = f" on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if cls is ProducerEndpoint else ""
         log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
 
