@@ -82,3 +82,25 @@ def test_out_of_range_and_duplicate_ids_are_refused():
         plan_blocks(a, b, r, [0, 1], [2, 2], num_tokens=8)
     with pytest.raises(PlanError, match="block ids"):
         plan_blocks(a, b, r, [0], [2, 3], num_tokens=8)
+
+
+def test_kv_interleaved_layouts_move_whole_blocks():
+    """vLLM's CPU cache (K rows then V rows per block and head) is kv_planes=1: whatever the token count,
+    whole blocks move, on both planning paths, and mismatched block sizes are refused."""
+    from kvpush_common.layout import KVLayout, Region
+    from kvpush_common.planner import plan_transfer
+
+    def side(base, bs=4, nblk=4):
+        row = 8  # 2 * head_size bytes-wide rows (dtype_size 1 for simplicity)
+        return KVLayout(num_layers=2, num_heads=2, head_dim=row, dtype_size=1, dtype="int8", block_size=bs,
+                        num_blocks=nblk, order="HND", kv_planes=1,
+                        regions=[Region(base + layer * nblk * 2 * bs * row, 2 * bs * row) for layer in range(2)])
+
+    src, dst = side(0), side(1 << 20)
+    route = routes(2, 1, 1)[0]
+    plan = plan_transfer(src, dst, route, [0, 1], [2, 3], num_tokens=5)  # 5 tokens -> 2 whole blocks
+    assert plan.nbytes == 2 * 2 * (2 * 4 * 8)  # layers * blocks * block bytes
+    bp = plan_blocks(src, dst, route, [0, 1], [2, 3], num_tokens=5)
+    assert bp.nbytes == plan.nbytes and bp.num_descs == 4
+    with pytest.raises(PlanError, match="whole blocks"):
+        plan_transfer(src, side(1 << 20, bs=8, nblk=2), route, [0, 1], [1], num_tokens=5)
