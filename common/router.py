@@ -49,6 +49,7 @@ class RouterConfig:
     connect_timeout_s: float = 10.0
     startup_timeout_s: float = 600.0
     health_interval_s: float = 5.0
+    warm_up: bool = True  # push: one tiny request per (prefill, decode) pair at start-up (handshakes early)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -255,6 +256,8 @@ class Router:
         if self.mode in CONCURRENT_MODES:
             deadline = time.monotonic() + self.config.startup_timeout_s
             await asyncio.gather(*(self._learn_producer(p, deadline) for p in self.prefills))
+            if self.mode == "push" and self.config.warm_up:
+                await asyncio.gather(*(self._warm_up(p, d, deadline) for p in self.prefills for d in self.decode_urls))
         await self._check_health()
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -305,6 +308,28 @@ class Router:
             raise StartupError(f"prefill {prefill.url} did not report its identity ({e}); expected {want} "
                                f"Got kv_transfer_params={got!r}") from e
         log.info("prefill %s is %s", prefill.url, prefill.producer)
+
+    async def _warm_up(self, prefill: Prefill, decode_url: str, deadline: float) -> None:
+        """One tiny push through each (prefill, decode) pair, so that the decode ranks handshake with the
+        prefill ranks now and not on the first user request (measured: ~150 ms on 2 CPUs)."""
+        try:
+            await self._wait_healthy(decode_url, deadline)
+            async with self.session.get(f"{prefill.url}/v1/models") as resp:
+                model = msgspec.json.decode(await resp.read(), type=_ModelList).data[0].id
+            tid = f"warmup-{uuid.uuid4().hex}"
+            body = {"model": model, "prompt": "warm up", "max_tokens": 1}
+            legs = [self.session.post(f"{prefill.url}/v1/completions",
+                                      json={**body, "kv_transfer_params": push_prefill_params(tid, 0)}),
+                    self.session.post(f"{decode_url}/v1/completions",
+                                      json={**body, "kv_transfer_params": push_decode_params(tid, 0, prefill.producer)})]
+            timeout = max(1.0, min(60.0, deadline - time.monotonic()))
+            replies = await asyncio.wait_for(asyncio.gather(*legs), timeout)
+            for r in replies:
+                await r.read()
+                r.release()
+            log.info("warmed up %s -> %s: %s", prefill.url, decode_url, [r.status for r in replies])
+        except Exception as e:  # noqa: BLE001 - warm-up is an optimisation; serving goes on without it
+            log.warning("warm-up %s -> %s failed: %r", prefill.url, decode_url, e)
 
     async def _wait_healthy(self, url: str, deadline: float) -> None:
         next_log = 0.0

@@ -162,6 +162,7 @@ async def router_stack(mode: str = "push", prefills: int = 1, **config):
         for server in servers:
             await stack.enter_async_context(server)
         urls = [str(s.make_url("")) for s in servers]
+        config.setdefault("warm_up", False)  # the fakes count legs; warm-up has its own test
         cfg = RouterConfig(mode=mode, prefill_urls=tuple(urls[:-1]), decode_urls=(urls[-1],), **config)
         client = TestClient(TestServer(build_app(cfg), host="127.0.0.1"))
         stack.push_async_callback(client.close)  # also when the router fails to start
@@ -442,3 +443,15 @@ async def test_single_forwards_unchanged_and_models_come_from_decode():
         assert d.legs[0].body == body and not p.legs
         models = await (await client.get("/v1/models")).json()
         assert models["data"][0]["id"] == "tiny-decode"
+
+
+@run_async
+async def test_push_warm_up_pushes_once_per_pair_at_start_up():
+    """Before serving, a tiny push through each (prefill, decode) pair: the decode instance handshakes
+    with the prefill instance then, not on the first user request."""
+    async with router_stack(warm_up=True) as (client, [p], d):
+        [pl], [dl] = p.legs, d.legs
+        assert pl.params["transfer_id"] == dl.params["transfer_id"] and pl.params["transfer_id"].startswith("warmup-")
+        assert dl.params["producer"] == IDENTITY
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
+        assert resp.status == 200 and len(p.legs) == len(d.legs) == 2
