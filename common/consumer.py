@@ -3,6 +3,9 @@ counts their completions, and hands blocks back only when no WRITE into them can
 
 Engine thread: `expect`, `abort`, `take_finished` only enqueue or drain.  Handshakes run in a small
 thread pool (ZMQ only) so one slow producer never delays the others; the worker thread owns NIXL.
+
+In pull mode the registration is answered with a ReadGrant naming the source blocks; the worker
+thread plans and posts the READ (its ReadResult rides on it to the producer) and polls it.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from .completion import Completion, Received, SendRevoke
 from .endpoint import Endpoint, Peer
 from .handshake import HandshakeError, request_hello
 from .identity import TransferKey
-from .topology import producers_for
+from .planner import PlanError, plan_transfer
+from .topology import producers_for, routes
 from .transport import TransportError
-from .wire import MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, Register, Revoke, RevokeAck, WriteDone, WriteFailed
+from .wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, ReadGrant, ReadResult, Register, Revoke,
+                   RevokeAck, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,15 @@ class ProducerRef:
     host: str
     base_port: int  # rank r serves its side channel on base_port + r
     tp_size: int
+
+
+@dataclass
+class _Read:
+    key: TransferKey
+    producer: tuple[str, int]
+    handle: object
+    posted_at: float
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,8 @@ class ConsumerEndpoint(Endpoint):
         self._connecting: dict[tuple[str, int], list[Expect]] = {}  # producer rank -> waiting requests
         self._next_heartbeat = 0.0
         self._expected_at: dict[TransferKey, float] = {}
+        self._expects: dict[TransferKey, Expect] = {}  # pull mode needs the blocks when the grant comes
+        self._reads: list[_Read] = []
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
@@ -71,7 +87,7 @@ class ConsumerEndpoint(Endpoint):
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck)):
+        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck, ReadGrant)):
             return (msg.producer_engine, msg.producer_rank)
         return None
 
@@ -97,16 +113,20 @@ class ConsumerEndpoint(Endpoint):
                 out += self.completion.on_failed(key, prod, f"{msg.code}: {msg.reason}", now)
             elif isinstance(msg, RevokeAck):
                 out += self.completion.on_revoke_ack(key, prod, now)
+            elif isinstance(msg, ReadGrant):
+                out += self._on_grant(peer, msg, now)
+        out += self._poll_reads(now)
         out += self.completion.tick(now)
         self._act(out)
         if now >= self._next_heartbeat:
             self._heartbeat()
             self._next_heartbeat = now + self.cfg.heartbeat_s
-        return len(self.completion) > 0
+        return len(self.completion) > 0 or bool(self._reads)
 
     def _act(self, out: list) -> None:
         for a in out:
             if isinstance(a, Received):
+                self._expects.pop(a.key, None)
                 started = self._expected_at.pop(a.key, None)
                 if started is not None and a.ok:
                     self.stats.recv_wait_seconds.observe(self.clock() - started)
@@ -136,6 +156,7 @@ class ConsumerEndpoint(Endpoint):
         if out:
             return out
         self._expected_at[e.key] = now
+        self._expects[e.key] = e
         out = []
         for prod in sorted(expected):
             if not self.completion.wants_registration(e.key):
@@ -200,6 +221,62 @@ class ConsumerEndpoint(Endpoint):
             self.event("registered", e.key, producer_rank=peer.rank, first_token=e.first_token, blocks=len(e.block_ids))
             return []
         return self.completion.on_failed(e.key, prod, "could not send the registration", now)
+
+    # ---- pull mode -------------------------------------------------------------------------------
+    def _read_result(self, peer: Peer, key: TransferKey, ok: bool, reason: str = "") -> ReadResult:
+        return ReadResult(transfer_id=key.transfer_id, attempt=key.attempt, consumer_engine=self.cfg.engine_id,
+                          consumer_rank=self.cfg.rank, ok=ok, reason=reason[:500])
+
+    def _on_grant(self, peer: Peer, g: ReadGrant, now: float) -> list:
+        key, prod = TransferKey(g.transfer_id, g.attempt), (peer.engine_id, peer.rank)
+        e = self._expects.get(key)
+        if e is None or not self.completion.wants_registration(key):
+            # ended or failing: unpin the producer's blocks without reading
+            self._send(peer, self._read_result(peer, key, False, "request no longer wants the KV"))
+            return []
+        try:
+            if g.num_tokens != e.num_tokens:
+                raise PlanError(f"producer has {g.num_tokens} tokens, this request expects {e.num_tokens}")
+            route = next(r for r in routes(self.cfg.total_kv_heads, peer.tp_size, self.cfg.tp_size)
+                         if r.src_rank == peer.rank and r.dst_rank == self.cfg.rank)
+            plan = plan_transfer(peer.layout, self.layout, route, g.block_ids, e.block_ids, num_tokens=g.num_tokens,
+                                 dst_first_token=e.first_token)
+            notif = self.codec.encode(self._read_result(peer, key, True))
+            handle = self.transport.post("READ", peer.agent, plan.dst, plan.src, self.layout.mem_type,
+                                         peer.layout.mem_type, notif)
+        except (PlanError, TransportError, StopIteration) as err:
+            self._send(peer, self._read_result(peer, key, False, str(err)))
+            return self.completion.on_failed(key, prod, f"read not posted: {err}", now)
+        bound = min(self.cfg.write_timeout_s, peer.write_timeout_s)  # the producer unpins after its own bound
+        self._reads.append(_Read(key, prod, handle, now, now + bound))
+        self.stats.writes_posted.inc()
+        self.stats.descs_posted.inc(plan.num_descs)
+        self.event("read_posted", key, producer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs)
+        return []
+
+    def _poll_reads(self, now: float) -> list:
+        out: list = []
+        for r in list(self._reads):
+            try:
+                state = self.transport.state(r.handle)
+            except TransportError:
+                state = "ERR"
+            if state == "PROC" and now < r.deadline:
+                continue
+            if not self.transport.release(r.handle) and state != "DONE":
+                continue  # still running and not cancellable yet: it may still write into our blocks
+            self._reads.remove(r)
+            peer = self._peers.get(r.producer)
+            if state == "DONE":  # our blocks hold the KV; its ReadResult went to the producer on the READ
+                self.stats.writes_done.inc()
+                self.stats.xfer_seconds.observe(now - r.posted_at)
+                out += self.completion.on_done(r.key, r.producer, now)
+            else:
+                reason = "READ failed" if state == "ERR" else "READ timed out"
+                if peer is not None:
+                    self._send(peer, self._read_result(peer, r.key, False, reason))
+                out += self.completion.on_failed(r.key, r.producer, reason, now)
+        return out
 
     def _heartbeat(self) -> None:
         for prod, keys in self.completion.waiting_keys().items():

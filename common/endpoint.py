@@ -34,6 +34,7 @@ class Peer:
     tp_size: int
     agent: str
     layout: KVLayout
+    write_timeout_s: float = 30.0  # the peer's bound on one transfer (Hello.write_timeout_ms)
 
 
 TransportFactory = Callable[[EndpointConfig, bool], Transport]
@@ -184,7 +185,7 @@ class Endpoint:
         agent = self.transport.add_peer(hello.agent_metadata)
         if agent != hello.agent_name:
             raise TransportError(f"peer agent metadata names {agent!r}, Hello claims {hello.agent_name!r}")
-        peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout)
+        peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout, hello.write_timeout_ms / 1000.0)
         self._peers[(hello.engine_id, hello.rank)] = peer
         return peer
 

@@ -1,5 +1,8 @@
 """Producer (prefill) rank: serves handshakes, matches registrations with ready KV, posts WRITEs.
 
+In pull mode (`EndpointConfig.mode == "pull"`) the match sends a ReadGrant instead of posting: the
+consumer READs, and the source blocks stay pinned until its ReadResult or the grant's deadline.
+
 Engine thread: `kv_ready`, `abort`, `take_finished` only enqueue or drain.  The worker thread owns
 NIXL: it decodes registrations, runs the rendezvous, plans descriptors, posts one WRITE per
 destination rank with a WriteDone notification riding on it, polls completion, and sends
@@ -19,9 +22,12 @@ from .planner import PlanError, plan_transfer
 from .rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
 from .topology import routes_from
 from .transport import TransportError
-from .wire import Heartbeat, Hello, Register, Revoke, RevokeAck, WriteDone, WriteFailed
+from .wire import Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, WriteDone, WriteFailed
 
 log = logging.getLogger(__name__)
+
+
+GRANTED = "granted"  # handle of a pull-mode item: the consumer is reading
 
 
 @dataclass
@@ -95,7 +101,7 @@ class ProducerEndpoint(Endpoint):
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (Register, Revoke, Heartbeat)):
+        if isinstance(msg, (Register, Revoke, Heartbeat, ReadResult)):
             return (msg.consumer_engine, msg.consumer_rank)
         return None
 
@@ -129,6 +135,8 @@ class ProducerEndpoint(Endpoint):
                 actions += self.rendezvous.on_register(msg, now)
             elif isinstance(msg, Revoke):
                 actions += self.rendezvous.on_revoke(key, (peer.engine_id, peer.rank), now)
+            elif isinstance(msg, ReadResult):
+                actions += self._on_read_result(key, (peer.engine_id, peer.rank), msg, now)
             elif isinstance(msg, Heartbeat):
                 self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
                                              peer.engine_id)
@@ -186,6 +194,8 @@ class ProducerEndpoint(Endpoint):
             return []
         t_post = self.clock()
         peer = self._peers[a.dest]
+        if self.cfg.mode == "pull":
+            return self._grant(item, peer, now)
         route = self._route_to(peer)
         prepped = self._remote_prepped.get(a.dest)
         try:
@@ -219,6 +229,36 @@ class ProducerEndpoint(Endpoint):
         self.stats.post_seconds.observe(self.clock() - t_post)
         return []
 
+    def _grant(self, item: _InFlight, peer: Peer, now: float) -> list:
+        """Pull mode: the KV is complete; let the consumer READ it.  Pinned until its ReadResult, or
+        until write_timeout_s + fence_grace_s (the consumer gives up its READ after write_timeout_s)."""
+        a = item.start
+        grant = ReadGrant(transfer_id=a.key.transfer_id, attempt=a.key.attempt, producer_engine=self.cfg.engine_id,
+                          producer_rank=self.cfg.rank, block_ids=list(a.ready.block_ids),
+                          num_tokens=a.ready.num_tokens)
+        if not self._send(peer, grant):
+            self._inflight.remove(item)
+            return self._fail_write(a, "post_failed", "could not send the read grant", now)
+        item.handle = GRANTED
+        item.posted_at = now
+        item.deadline = now + self.cfg.write_timeout_s + self.cfg.fence_grace_s
+        self.stats.writes_posted.inc()
+        self.event("granted", a.key, consumer_rank=peer.rank)
+        return []
+
+    def _on_read_result(self, key: TransferKey, dest: Dest, msg: ReadResult, now: float) -> list:
+        item = next((i for i in self._inflight if i.key == key and i.dest == dest and i.handle is GRANTED), None)
+        if item is None:
+            return []  # duplicate, or after the grant's deadline (already failed)
+        self._inflight.remove(item)
+        self.event("read_" + ("done" if msg.ok else "failed"), key, consumer_rank=dest[1])
+        if msg.ok:
+            self.stats.writes_done.inc()
+            self.stats.xfer_seconds.observe(now - item.posted_at)
+            return self.rendezvous.on_write_result(key, dest, True, now)
+        self.stats.writes_failed.labels(code="read_failed").inc()
+        return self.rendezvous.on_write_result(key, dest, False, now)
+
     def _route_to(self, peer: Peer):
         return next(r for r in self._routes(peer.tp_size) if r.dst_rank == peer.rank)
 
@@ -232,7 +272,7 @@ class ProducerEndpoint(Endpoint):
             except TransportError as e:
                 log.warning("releasing stale prepped list of %s: %s", peer.agent, e)
         route = self._route_to(peer)
-        if not (self.cfg.prepped_lists and block_granular(self.layout, peer.layout, route)):
+        if self.cfg.mode == "pull" or not (self.cfg.prepped_lists and block_granular(self.layout, peer.layout, route)):
             return
         try:
             hk = (route.src_head_start, route.num_heads)
@@ -252,6 +292,11 @@ class ProducerEndpoint(Endpoint):
         now = self.clock()
         actions = []
         for item in list(self._inflight):
+            if item.handle is GRANTED:
+                if now >= item.deadline:  # the consumer's READ bound has passed: unpin
+                    self._inflight.remove(item)
+                    actions += self._fail_write(item.start, "read_timeout", "no ReadResult before the deadline", now)
+                continue
             if item.handle is None:
                 if now >= item.deadline:
                     self._inflight.remove(item)

@@ -149,7 +149,31 @@ class WriteFailed(_Msg, tag="failed"):
     reason: Reason = ""
 
 
-Message = Union[Hello, HelloReject, Register, Revoke, RevokeAck, Heartbeat, WriteDone, WriteFailed]
+class ReadGrant(_Msg, tag="grant"):
+    """Pull mode, producer rank -> consumer rank: read these source blocks now; they stay pinned until
+    your ReadResult (or the producer's write timeout)."""
+
+    transfer_id: Id
+    attempt: Attempt
+    producer_engine: Id
+    producer_rank: Rank
+    block_ids: Annotated[list[BlockId], Meta(max_length=MAX_BLOCK_IDS)]
+    num_tokens: Tokens
+
+
+class ReadResult(_Msg, tag="read"):
+    """Pull mode, consumer rank -> producer rank: my READ of your blocks ended (ok rides on the READ)."""
+
+    transfer_id: Id
+    attempt: Attempt
+    consumer_engine: Id
+    consumer_rank: Rank
+    ok: bool
+    reason: Reason = ""
+
+
+Message = Union[Hello, HelloReject, Register, Revoke, RevokeAck, Heartbeat, WriteDone, WriteFailed, ReadGrant,
+                ReadResult]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

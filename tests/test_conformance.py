@@ -430,3 +430,81 @@ def test_handshake_timeout_fails_the_request(cluster):
     res = wait(cl.consumers[0], 1, seconds=15)[0]
     assert res["ok"] is False and "handshake" in res["reason"]
     assert time.monotonic() - t0 < 8
+
+
+# ---- pull mode: the consumer READs after a ReadGrant; the producer keeps its blocks pinned till then ----
+
+PULL = {"mode": "pull"}
+
+
+@pytest.mark.parametrize("order", ["registration_first", "ready_first"])
+def test_pull_either_order(cluster, order):
+    cl = cluster.start(p_cfg=PULL, d_cfg=PULL)
+    p_blocks, d_blocks, n = [3, 4, 9], [20, 21, 7], 40
+    if order == "registration_first":
+        cl.expect("pr", 0, d_blocks, n)
+        time.sleep(0.3)
+        cl.ready("pr", 0, p_blocks, n)
+    else:
+        cl.ready("pr", 0, p_blocks, n)
+        time.sleep(0.3)  # late destination choice: the KV waits under its lease
+        cl.expect("pr", 0, d_blocks, n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert set(dirty(cl.consumers[0])) == set(d_blocks)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_pull_across_tp_sizes(cluster, p_tp, d_tp):
+    cl = cluster.start(total_heads=2, p_tp=p_tp, d_tp=d_tp, p_cfg=PULL, d_cfg=PULL)
+    p_blocks, d_blocks, n = [0, 5], [9, 2], 30
+    cl.ready("ptp", 0, p_blocks, n)
+    cl.expect("ptp", 0, d_blocks, n)
+    for d in cl.consumers:
+        assert wait(d, 1)[0]["ok"] is True
+    for p in cl.producers:
+        assert wait(p, 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+
+
+def test_pull_different_block_sizes_and_prefix_tail(cluster):
+    cl = cluster.start(p_block=32, d_block=16, p_order="NHD", d_order="HND", p_cfg=PULL, d_cfg=PULL)
+    p_blocks, n = [6, 2, 4], 80
+    cl.ready("pbs", 0, p_blocks, n)
+    cl.expect("pbs", 0, [11, 12, 13], n, first_token=32)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, p_blocks, [11, 12, 13], n, first_token=32)
+    assert set(dirty(cl.consumers[0])) == {11, 12, 13}
+
+
+def test_pull_abort_during_read_frees_only_after_the_read_ended(cluster):
+    cl = cluster.start(p_cfg=PULL, d_cfg=PULL, d_faults=dict(post_delay_s=1.5))
+    d_blocks, n = [4, 5], 30
+    cl.ready("pab", 0, [7, 8], n)
+    cl.expect("pab", 0, d_blocks, n)
+    time.sleep(0.4)  # the READ is posted and held
+    t0 = time.monotonic()
+    cl.consumers[0].call("abort", tid="pab", attempt=0)
+    res = wait(cl.consumers[0], 1)
+    assert res[0]["ok"] is False and time.monotonic() - t0 > 0.8
+    cl.consumers[0].call("poison", byte=POISON, blocks=d_blocks)
+    time.sleep(1.0)
+    assert dirty(cl.consumers[0]) == []
+    assert wait(cl.producers[0], 1)[0]["outcome"] in ("cancelled", "done")
+
+
+def test_pull_failed_read_unpins_the_producer(cluster):
+    cl = cluster.start(p_cfg=PULL, d_cfg=PULL, d_faults=dict(err_xfer=1.0))
+    cl.ready("perr", 0, [1], 10)
+    cl.expect("perr", 0, [2], 10)
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False and "READ failed" in res["reason"]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"  # told by ReadResult, not by its timeout
+
+
+def test_push_and_pull_peers_refuse_each_other(cluster):
+    cl = cluster.start(p_cfg=PULL)
+    cl.expect("mix", 0, [1], 10)
+    res = wait(cl.consumers[0], 1, seconds=15)[0]
+    assert res["ok"] is False and "mode mismatch" in res["reason"]
