@@ -108,12 +108,27 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def test_chat_completions_stream_through_router(cluster):
+def test_chat_completions_through_router_streamed_and_not(cluster):
+    import json
+    import urllib.request
+
     msgs = [{"role": "user", "content": "hello there"}]
     status, ref = post_json(cluster["P"].url + "/v1/chat/completions", {**GEN, "messages": msgs})
     assert status == 200
+    want = ref["choices"][0]["message"]["content"]
     status, body = post_json(cluster["router"].url + "/v1/chat/completions", {**GEN, "messages": msgs})
-    assert status == 200 and body["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    assert status == 200 and body["choices"][0]["message"]["content"] == want
+    req = urllib.request.Request(cluster["router"].url + "/v1/chat/completions",
+                                 data=json.dumps({**GEN, "messages": msgs, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+    assert "".join(pieces) == want
 
 
 def test_control_prefill_with_other_weights_changes_the_output(cluster):
