@@ -36,6 +36,17 @@ class HostBackend(DeviceBackend):
     def registration_regions(self) -> np.ndarray:
         return np.array([[self.buffer.ctypes.data, self.buffer.nbytes, 0]], dtype=np.uint64)
 
+    # ---- byte access for tests and benchmarks (device backends offer the same three) ----------------
+    @property
+    def slab_base(self) -> int:
+        return self.buffer.ctypes.data
+
+    def read_bytes(self) -> np.ndarray:
+        return self.buffer.copy()
+
+    def write_bytes(self, data: np.ndarray, offset: int = 0) -> None:
+        self.buffer[offset:offset + data.size] = data
+
     def block_view(self, region: int, block_id: int) -> np.ndarray:
         """The bytes of one block of one region (for tests and poisoning)."""
         reg = self._layout.regions[region]

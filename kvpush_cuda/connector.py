@@ -1,9 +1,9 @@
 """vLLM entry class for GPUs: `"kv_connector": "KVPushCudaConnector",
 "kv_connector_module_path": "kvpush_cuda.connector"`.
 
-It is KVPushConnector with the CUDA device backend bound.  The backend itself (VRAM registration,
-CUDA-event fences, LIBFABRIC/EFA preflight) comes with its own issue; until then this class refuses
-to start with a clear message instead of treating VRAM as host memory.
+It is KVPushConnector with the CUDA device backend bound: vLLM's FlashAttention/FlashInfer KV
+tensors registered as VRAM (at most 4 GiB per registration), the CUDA device bound on the NIXL
+thread, and a CUDA event per step fencing each WRITE.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from kvpush_common.vllm.connector import KVPushConnector
 
 class KVPushCudaConnector(KVPushConnector):
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
-        try:
-            from .backend import CudaKVCache  # noqa: F401  (arrives with the CUDA backend)
-        except ImportError:
-            raise NotImplementedError(
-                "kvpush_cuda's device backend is not implemented yet; on CPU use "
-                "kvpush_common.vllm.connector.KVPushConnector") from None
-        return CudaKVCache(kv_caches, head_offset)
+        from .backend import CudaKVCache
+
+        cfg = self._vllm_config
+        heads = max(1, cfg.model_config.get_total_num_kv_heads() // cfg.parallel_config.tensor_parallel_size)
+        return CudaKVCache(kv_caches, head_offset, block_size=cfg.cache_config.block_size, num_heads=heads,
+                           head_size=cfg.model_config.get_head_size())

@@ -31,12 +31,23 @@ from kvpush_common.rendezvous import Release  # noqa: E402
 
 
 def make_backend(spec: dict):
+    """Device backends of the conformance suite; each offers slab_base, read_bytes and write_bytes."""
     kind = spec.pop("kind", "host")
     if kind == "host":
         from kvpush_common.host_backend import HostBackend
 
         return HostBackend(**spec)
+    if kind == "cuda":
+        from kvpush_cuda.slab import CudaSlab
+
+        return CudaSlab(**spec)
     raise SystemExit(f"unknown backend {kind!r}")
+
+
+def block_spans(layout, blocks):
+    """(offset from slab base, length) of every region's copy of each block."""
+    base = min(r.base for r in layout.regions)
+    return [(r.base - base + b * r.block_stride, layout.block_bytes) for r in layout.regions for b in blocks]
 
 
 class Peer:
@@ -65,16 +76,16 @@ class Peer:
 
     def op_fill(self, seed):
         rng = np.random.default_rng(seed)
-        self.backend.buffer[:] = rng.integers(0, 256, self.backend.buffer.size, dtype=np.uint8)
+        size = self.backend.read_bytes().size
+        self.backend.write_bytes(rng.integers(0, 256, size, dtype=np.uint8))
         return {}
 
     def op_poison(self, byte, blocks=None):
         if blocks is None:
-            self.backend.buffer.fill(byte)
+            self.backend.write_bytes(np.full(self.backend.read_bytes().size, byte, dtype=np.uint8))
         else:
-            for r in range(len(self.backend.layout().regions)):
-                for b in blocks:
-                    self.backend.block_view(r, b).fill(byte)
+            for off, length in block_spans(self.backend.layout(), blocks):
+                self.backend.write_bytes(np.full(length, byte, dtype=np.uint8), off)
         return {}
 
     def op_ready(self, tid, attempt, blocks, num_tokens):
@@ -122,21 +133,19 @@ class Peer:
 
     def op_logical(self, blocks, num_tokens):
         layout = self.backend.layout()
-        view = logical_view(self.backend.buffer, layout, self.backend.buffer.ctypes.data, blocks, num_tokens)
+        view = logical_view(self.backend.read_bytes(), layout, self.backend.slab_base, blocks, num_tokens)
         return {"shape": list(view.shape), "data": base64.b64encode(view.tobytes()).decode()}
 
     def op_dirty_blocks(self, poison):
         """Block ids that hold any byte other than `poison`, in any region."""
         layout = self.backend.layout()
-        dirty = set()
-        for r in range(len(layout.regions)):
-            for b in range(layout.num_blocks):
-                if (self.backend.block_view(r, b) != poison).any():
-                    dirty.add(b)
+        data = self.backend.read_bytes()
+        dirty = {b for b in range(layout.num_blocks)
+                 for off, length in block_spans(layout, [b]) if (data[off:off + length] != poison).any()}
         return {"blocks": sorted(dirty)}
 
     def op_digest(self):
-        return {"sha256": hashlib.sha256(self.backend.buffer.tobytes()).hexdigest()}
+        return {"sha256": hashlib.sha256(self.backend.read_bytes().tobytes()).hexdigest()}
 
     def op_stats(self):
         counts = {}

@@ -17,7 +17,7 @@ from procs import PeerProcess
 
 pytestmark = pytest.mark.nixl
 
-BACKENDS = ["host"]
+BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
 POISON = 0xAB
 GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2)
 
@@ -37,6 +37,14 @@ class Cluster:
         self.consumers: list[PeerProcess] = []
         self.p_port = 0
         self.p_tp = 1
+
+    def _device(self, consumer: bool) -> dict:
+        """CUDA: producers on GPU 0, consumers on GPU 1 when there are two (VRAM to VRAM across GPUs)."""
+        if self.kind != "cuda":
+            return {}
+        import torch
+
+        return {"device": 1 if consumer and torch.cuda.device_count() > 1 else 0}
 
     def _spawn(self, name):
         proc = PeerProcess(name)
@@ -66,7 +74,8 @@ class Cluster:
                 cfg["base_port"] = self.p_port
             reply = proc.call("start", role="producer", cfg=cfg, faults=p_faults,
                               backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=p_block,
-                                           num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO))
+                                           num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO,
+                                           **self._device(False)))
             if r == 0:
                 self.p_port = reply["port"]  # rank r serves on base_port + r
             proc.call("fill", seed=100 + r)
@@ -75,7 +84,8 @@ class Cluster:
             cfg = dict(engine_id="D", rank=r, tp_size=d_tp, total_kv_heads=total_heads, **(d_cfg or {}))
             proc.call("start", role="consumer", cfg=cfg, faults=d_faults,
                       backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=d_block,
-                                   num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO))
+                                   num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO,
+                                   **self._device(True)))
             proc.call("poison", byte=POISON)
         return self
 
