@@ -13,6 +13,22 @@ from kvpush_common.vllm.connector import KVPushConnector
 
 
 class KVPushCudaConnector(KVPushConnector):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self._worker is not None:  # pick UCX or LIBFABRIC (after the EFA preflight) before NIXL starts
+            import dataclasses
+            import os
+
+            import torch
+
+            from .efa import choose_transport
+
+            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+            transport = choose_transport(extra, os.environ, gpus=max(1, torch.cuda.device_count()))
+            self.settings = dataclasses.replace(self.settings, backend=transport.backend,
+                                                backend_params=transport.backend_params)
+            self._worker.settings = self.settings
+
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         from .backend import CudaKVCache
 

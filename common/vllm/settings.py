@@ -23,6 +23,7 @@ class ConnectorSettings:
     port: int  # side channel base port (producer): rank r serves on port + r
     secret: bytes | None
     backend: str
+    backend_params: dict
     timeouts: dict
     ready_delay_s: float  # test knob: producer reports KV ready this much later (forces registration first)
     register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
@@ -58,6 +59,7 @@ class ConnectorSettings:
             port=int(extra.get("port", os.environ.get("KVPUSH_SIDE_CHANNEL_PORT", 5700))),
             secret=secret.encode() if isinstance(secret, str) else secret,
             backend=str(extra.get("backend", "UCX")),
+            backend_params={k: str(v) for k, v in dict(extra.get("backend_params") or {}).items()},
             timeouts=timeouts,
             ready_delay_s=float(extra.get("debug_ready_delay_s", 0.0)),
             register_delay_s=float(extra.get("debug_register_delay_s", 0.0)),
@@ -70,5 +72,5 @@ class ConnectorSettings:
     def endpoint_config(self, rank: int) -> EndpointConfig:
         return EndpointConfig(engine_id=self.engine_id, rank=rank, tp_size=self.tp_size,
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
-                              base_port=self.port, transport=TransportConfig(backend=self.backend),
+                              base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params)),
                               secret=self.secret, **self.timeouts)
