@@ -11,7 +11,6 @@ thread plans and posts the READ (its ReadResult rides on it to the producer) and
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 

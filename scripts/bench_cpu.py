@@ -19,12 +19,11 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, wait_healthy  # noqa: E402
+from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 LINE = "    result = compute(value, factor=2)\n"  # ~10 tokens
@@ -55,23 +54,16 @@ def tree_cpu_seconds(pid: int) -> float:
 
 def stream_ttft(url: str, prompt: str, limit_s: float) -> tuple[str, float | None, str]:
     """(text, TTFT seconds or None, outcome: ok | failed | hung)."""
-    body = json.dumps({**GEN, "prompt": prompt, "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     t0 = time.monotonic()
     first, text = None, []
     try:
-        with urllib.request.urlopen(req, timeout=limit_s) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return "".join(text), None, "failed"
-                piece = chunk["choices"][0].get("text", "")
-                if piece and first is None:
-                    first = time.monotonic() - t0
-                text.append(piece)
+        for chunk in sse_chunks(url + "/v1/completions", {**GEN, "prompt": prompt}, limit_s):
+            if "error" in chunk:
+                return "".join(text), None, "failed"
+            piece = chunk["choices"][0].get("text", "")
+            if piece and first is None:
+                first = time.monotonic() - t0
+            text.append(piece)
     except TimeoutError:
         return "".join(text), None, "hung"
     except Exception as e:  # noqa: BLE001 - any transport error is a failed request here

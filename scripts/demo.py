@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, wait_healthy  # noqa: E402
+from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
 
 from kvpush_common.events import read_events  # noqa: E402
 
@@ -35,24 +35,16 @@ PROMPTS = [
 
 def stream(url: str, prompt: str, request_id: str) -> tuple[str, float, float, float]:
     """Streamed completion: (text, seconds to first token, seconds to done, wall time sent)."""
-    body = json.dumps({**GEN, "prompt": prompt, "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json", "X-Request-Id": request_id})
     t0 = time.time()
     first = None
     text = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"router error: {chunk['error']}")
-            piece = chunk["choices"][0].get("text", "")
-            if piece and first is None:
-                first = time.time() - t0
-            text.append(piece)
+    for chunk in sse_chunks(url + "/v1/completions", {**GEN, "prompt": prompt}, 300, {"X-Request-Id": request_id}):
+        if "error" in chunk:
+            raise RuntimeError(f"router error: {chunk['error']}")
+        piece = chunk["choices"][0].get("text", "")
+        if piece and first is None:
+            first = time.time() - t0
+        text.append(piece)
     return "".join(text), first or 0.0, time.time() - t0, t0
 
 

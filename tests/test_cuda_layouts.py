@@ -1,7 +1,6 @@
 """kvpush_cuda's reading of vLLM's CUDA KV tensors, checked on CPU tensors of the same shapes and
 strides against the tensors' own indexing (no GPU needed), plus its registration slicing."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -3,7 +3,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpush_common.layout import KVLayout, LayoutError, Region, contiguous_layout

@@ -156,3 +156,14 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
 
 def scratch_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def sse_chunks(url: str, body: dict, timeout: float, headers: dict | None = None):
+    """POST a streaming completion; yield each decoded SSE `data:` JSON object until [DONE]."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])

@@ -7,7 +7,7 @@ raises inside the engine: the connector logs it and serves the request without k
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 import msgspec
 from msgspec import Meta

@@ -12,7 +12,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from .metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
-from .params import DecodeLeg, IdentityProbe, PrefillLeg, parse_leg
+from .params import DecodeLeg, IdentityProbe, parse_leg
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
