@@ -41,6 +41,12 @@ def make_backend(spec: dict):
         from kvpush_cuda.slab import CudaSlab
 
         return CudaSlab(**spec)
+    if kind == "neuron-sim":  # the Neuron plugin's layout is fixed: HND, K plane then V plane
+        from kvpush_neuron.slab import NeuronSlab
+
+        spec.pop("order", None)
+        spec.pop("blocks_first", None)
+        return NeuronSlab(**spec)
     raise SystemExit(f"unknown backend {kind!r}")
 
 

@@ -17,7 +17,7 @@ from procs import PeerProcess
 
 pytestmark = pytest.mark.nixl
 
-BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu), "neuron-sim"]
 POISON = 0xAB
 GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2)
 

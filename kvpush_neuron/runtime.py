@@ -1,0 +1,234 @@
+"""The device interface: every Neuron runtime / torch-neuronx call kvpush makes, behind one protocol.
+
+`RealNeuronRuntime` talks to the native `neuron` torch device (vllm-neuron 0.2x, SDK >= 2.31); it
+needs a Neuron host and imports torch_neuronx lazily.  `SimulatedNeuronRuntime` keeps "HBM" in host
+memory with the same shapes and strides and enforces the documented rules, so the backend's start-up
+checks and the conformance suite run on CPU.  Sources: /work/shared/notes/neuron.md §2, §3.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, MutableMapping, Protocol
+
+import numpy as np
+
+MemKind = Literal["NEURON", "SYSTEM"]
+
+
+class NeuronUnavailableError(RuntimeError):
+    """The real Neuron runtime cannot be used in this process (no torch-neuronx / no Neuron device)."""
+
+
+class NeuronRuntimeError(RuntimeError):
+    """A documented Neuron runtime rule was broken (the simulation raises what the real stack would)."""
+
+
+def map_hbm_enabled(env) -> bool:
+    """NEURON_RT_MAP_HBM is "true" or a positive number (what the runtime accepts)."""
+    value = str(env.get("NEURON_RT_MAP_HBM", "")).strip().lower()
+    return value == "true" or (value.isdigit() and int(value) > 0)
+
+
+def parse_core_list(text: str) -> list[int]:
+    """"0-3", "32-63", "0,2,4-5" -> core ids (NEURON_VISIBLE_DEVICES / NEURON_RT_VISIBLE_CORES syntax)."""
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        cores += list(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+class NeuronRuntime(Protocol):
+    """What kvpush needs from the Neuron runtime; nothing else touches torch-neuronx."""
+
+    env: MutableMapping[str, str]
+
+    @property
+    def mem_type(self) -> Literal["DRAM", "VRAM"]:
+        """NIXL memory type of device tensors: real HBM is "VRAM" (LIBFABRIC, FI_HMEM_NEURON); the
+        simulation's host memory is "DRAM" because that is what NIXL UCX can move on a CPU host."""
+
+    def is_initialized(self) -> bool: ...
+
+    def init(self) -> None:
+        """Initialise the runtime (maps HBM when NEURON_RT_MAP_HBM is set).  Before any NIXL agent."""
+
+    def visible_devices(self) -> list[int]:
+        """Logical cores from NEURON_VISIBLE_DEVICES (empty: not set)."""
+
+    def allocate(self, nbytes: int, core: int = 0) -> tuple[object, int]:
+        """A uint8 device tensor of `nbytes` on local device `core` and its address (0: HBM not mapped)."""
+
+    def data_ptr(self, tensor) -> int:
+        """Device VA of `tensor` for NIXL (0 when HBM is not mapped)."""
+
+    def device_index(self, tensor) -> int: ...
+
+    def note_nixl_agent(self) -> None:
+        """A NIXL agent is about to be created in this process (libfabric picks its HMEM ifaces then)."""
+
+    def claim_agent(self, core: int, owner: object) -> None:
+        """Record that `owner` creates the one NIXL agent of local device `core`; a second owner raises."""
+
+    def device_memory_kind(self) -> MemKind:
+        """How libfabric will register device memory: "SYSTEM" if an agent predates runtime init."""
+
+    def to_host(self, tensor) -> np.ndarray:
+        """The bytes of a uint8 device tensor (a copy)."""
+
+    def from_host(self, tensor, data: np.ndarray, offset: int = 0) -> None:
+        """Write `data` into a uint8 device tensor at byte `offset` and wait for it."""
+
+    def fence(self) -> object:
+        """A token for the device work issued so far (None: nothing to wait for)."""
+
+    def fence_done(self, token: object) -> bool: ...
+
+
+class _AgentOrder:
+    """libfabric picks its HMEM interfaces when the first agent starts: one created before the
+    runtime was initialised leaves FI_HMEM_NEURON out and VRAM silently registers as host memory."""
+
+    def __init__(self):
+        self._initialized = False
+        self._agent_before_init = False
+        self._agents: dict[int, object] = {}
+
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def note_nixl_agent(self) -> None:
+        if not self._initialized:
+            self._agent_before_init = True
+
+    def device_memory_kind(self) -> MemKind:
+        return "SYSTEM" if self._agent_before_init else "NEURON"
+
+    def claim_agent(self, core: int, owner: object) -> None:
+        held = self._agents.setdefault(core, owner)
+        if held is not owner:
+            raise NeuronRuntimeError(f"a NIXL agent already serves Neuron device {core} in this process: one agent "
+                                     "per rank (one vLLM worker per logical core, one kvpush endpoint per worker)")
+
+    def visible_devices(self) -> list[int]:
+        return parse_core_list(self.env.get("NEURON_VISIBLE_DEVICES", ""))
+
+    def fence(self) -> object:
+        return None
+
+    def fence_done(self, token: object) -> bool:
+        return True
+
+
+class SimulatedNeuronRuntime(_AgentOrder):
+    """Host memory standing in for HBM, same tensor shapes; raises or returns what the real stack does:
+
+    - `data_ptr()` is 0 unless NEURON_RT_MAP_HBM was set at the first allocation (latched then);
+    - an agent noted before `init()` makes `device_memory_kind()` "SYSTEM" (silent in reality);
+    - `init()` refuses NEURON_RT_VISIBLE_CORES without NEURON_VISIBLE_DEVICES (the 0.2x plugin raises);
+    - allocating before `init()` is refused.
+    """
+
+    mem_type = "DRAM"
+
+    def __init__(self, env: MutableMapping[str, str] | None = None):
+        super().__init__()
+        self.env = {} if env is None else env
+        self._hbm_mapped: bool | None = None  # latched at the first allocation
+        self._allocations: list[tuple[int, int]] = []
+        self._keep: list[object] = []
+
+    def init(self) -> None:
+        if self.env.get("NEURON_RT_VISIBLE_CORES") and not self.env.get("NEURON_VISIBLE_DEVICES"):
+            raise NeuronRuntimeError("NEURON_RT_VISIBLE_CORES is set: the vLLM Neuron plugin (0.2x) refuses it; "
+                                     "use NEURON_VISIBLE_DEVICES")
+        self._initialized = True
+
+    def allocate(self, nbytes: int, core: int = 0) -> tuple[object, int]:
+        import torch
+
+        if not self._initialized:
+            raise NeuronRuntimeError("device allocation before the Neuron runtime was initialised")
+        if self._hbm_mapped is None:
+            self._hbm_mapped = map_hbm_enabled(self.env)
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        self._allocations.append((tensor.data_ptr(), nbytes))
+        self._keep.append(tensor)
+        return tensor, self.data_ptr(tensor)
+
+    def data_ptr(self, tensor) -> int:
+        ptr = tensor.data_ptr()
+        if not any(a <= ptr < a + n for a, n in self._allocations):
+            raise NeuronRuntimeError("tensor was not allocated by this (simulated) Neuron runtime")
+        return ptr if self._hbm_mapped else 0
+
+    def device_index(self, tensor) -> int:
+        return 0
+
+    def to_host(self, tensor) -> np.ndarray:
+        return tensor.numpy().copy()
+
+    def from_host(self, tensor, data: np.ndarray, offset: int = 0) -> None:
+        import torch
+
+        tensor[offset:offset + data.size].copy_(torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)))
+
+
+class RealNeuronRuntime(_AgentOrder):
+    """The native `neuron` torch device of vllm-neuron 0.2x (torch-neuronx, libtorch_neuronx_lite).
+
+    Only `neuron` device tensors are accepted: XLA-device tensors have no documented data_ptr and
+    VLLM_NEURON_CPU_MODE tensors are host memory (use KVPushConnector for those).
+    """
+
+    mem_type = "VRAM"
+
+    def __init__(self, env: MutableMapping[str, str] | None = None):
+        super().__init__()
+        self.env = os.environ if env is None else env
+        try:
+            import torch
+            import torch_neuronx  # noqa: F401  (registers the `neuron` device)
+        except ImportError as e:
+            raise NeuronUnavailableError(
+                f"the Neuron runtime is not available here ({e}): kvpush_neuron needs a Neuron host (trn2) with "
+                "torch-neuronx from https://pip.repos.neuron.amazonaws.com; on CPU use "
+                "kvpush_common.vllm.connector.KVPushConnector") from None
+        self._torch = torch
+
+    def init(self) -> None:
+        """What vllm-neuron's worker does before KV transfer starts (maps HBM for RDMA)."""
+        if not self._initialized:
+            self._torch.classes.neuron.Runtime().initialize()
+            self._initialized = True
+
+    def adopt(self, tensor) -> None:
+        """Tensors already on the device prove the runtime was initialised (by the plugin's worker)."""
+        self._check_device(tensor)
+        self._initialized = True
+
+    def allocate(self, nbytes: int, core: int = 0) -> tuple[object, int]:
+        tensor = self._torch.zeros(nbytes, dtype=self._torch.uint8, device=f"neuron:{core}")
+        self._initialized = True
+        return tensor, self.data_ptr(tensor)
+
+    def _check_device(self, tensor) -> None:
+        if tensor.device.type != "neuron":
+            raise NeuronRuntimeError(f"KV tensor is on device {tensor.device}, not a Neuron device: kvpush_neuron "
+                                     "registers Neuron HBM only")
+
+    def data_ptr(self, tensor) -> int:
+        self._check_device(tensor)
+        return int(tensor.data_ptr())
+
+    def device_index(self, tensor) -> int:
+        return tensor.device.index or 0
+
+    def to_host(self, tensor) -> np.ndarray:
+        return tensor.cpu().numpy().copy()
+
+    def from_host(self, tensor, data: np.ndarray, offset: int = 0) -> None:
+        src = self._torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        tensor[offset:offset + data.size].copy_(src.to(tensor.device))
+        tensor[offset:offset + 1].cpu()  # reading back waits for the copy (no documented device synchronize)
