@@ -55,6 +55,12 @@ def common_efa_problems(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, acc
     elif len(devices) < accelerators * rails_per_accelerator:
         problems.append(f"{len(devices)} EFA rails for {accelerators} {what} (want {rails_per_accelerator} each): "
                         "launch the instance with all its EFA interfaces, or KV shares far rails")
+    return problems + env_and_library_problems(env, fabric_version)
+
+
+def env_and_library_problems(env: Mapping[str, str], fabric_version: tuple[int, int] | None | str = "probe") -> list[str]:
+    """The provider, device-RDMA and libfabric-version rules, each with its fix."""
+    problems = []
     provider = env.get("FI_PROVIDER")
     if provider not in (None, "", "efa"):
         problems.append(f"FI_PROVIDER={provider}: set FI_PROVIDER=efa (or unset it) for EFA")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.efa import NIXL_LIBFABRIC_NEEDS, SYSFS_RDMA, EfaPreflightError, efa_devices, libfabric_version
+from kvpush_common.efa import SYSFS_RDMA, EfaPreflightError, efa_devices, env_and_library_problems
 from kvpush_common.transport import TransportConfig
 
 from .runtime import parse_core_list
@@ -59,22 +59,10 @@ def neuron_efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, sa
             problems.append(f"cores {missing} sit on chips without an EFA rail ({len(devices)} EFA devices, "
                             f"{per_chip} logical cores per chip): launch trn2.48xlarge with all "
                             f"{TRN2_EFA_PER_INSTANCE} EFA interfaces, one per Neuron device")
-    provider = env.get("FI_PROVIDER")
-    if provider not in (None, "", "efa"):
-        problems.append(f"FI_PROVIDER={provider}: set FI_PROVIDER=efa (or unset it) for EFA")
-    if env.get("FI_EFA_USE_DEVICE_RDMA") != "1":
-        problems.append("FI_EFA_USE_DEVICE_RDMA is not 1: set it so the EFA reads and writes Neuron HBM directly "
-                        "(otherwise RDMA operations on HBM never complete)")
     if same_host and env.get("FI_EFA_ENABLE_SHM_TRANSFER") != "0":
         problems.append("FI_EFA_ENABLE_SHM_TRANSFER is not 0: set it to 0 when prefill and decode share a host "
                         "(the shm transport is taken otherwise and gives wrong output)")
-    version = libfabric_version() if fabric_version == "probe" else fabric_version
-    if version is None:
-        problems.append("libfabric.so.1 not found: install the EFA installer's libfabric (/opt/amazon/efa/lib) "
-                        "and put it on LD_LIBRARY_PATH")
-    elif version < NIXL_LIBFABRIC_NEEDS:
-        problems.append(f"libfabric {version[0]}.{version[1]} lacks the FABRIC_1.10 symbols NIXL 1.5.1's LIBFABRIC "
-                        f"plugin links against: use libfabric >= {NIXL_LIBFABRIC_NEEDS[0]}.{NIXL_LIBFABRIC_NEEDS[1]}")
+    problems += env_and_library_problems(env, fabric_version)
     return problems
 
 
