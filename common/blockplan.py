@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layout import KVLayout
-from .planner import PlanError, check_block_ids
+from .planner import PlanError, TransferPlan, check_block_ids, plan_transfer
 from .topology import HeadRoute
 
 
@@ -25,6 +25,8 @@ class BlockPlan:
     local_idx: np.ndarray  # int32 indices into the producer's prepped list
     remote_idx: np.ndarray  # int32 indices into the consumer's prepped list
     nbytes: int
+    src_blocks: np.ndarray | None = None  # the validated block pairs, sorted by source block
+    dst_blocks: np.ndarray | None = None
 
     @property
     def num_descs(self) -> int:
@@ -49,8 +51,8 @@ def block_granular(src: KVLayout, dst: KVLayout, route: HeadRoute) -> bool:
             and _slice_contiguous(src, route.num_heads) and _slice_contiguous(dst, route.num_heads))
 
 
-def unit_table(layout: KVLayout, head_start: int, num_heads: int) -> np.ndarray:
-    """(regions * num_blocks, 3) `[addr, len, dev]`: entry r * num_blocks + b is the head slice of block b."""
+def _unit_geometry(layout: KVLayout, head_start: int, num_heads: int):
+    """Per region (column vectors): base, block stride, device; and the slice's offset and length in a block."""
     if head_start < 0 or head_start + num_heads > layout.num_heads:
         raise PlanError(f"heads [{head_start}, +{num_heads}) outside the {layout.num_heads} held")
     inner = head_start * (layout.block_size * layout.token_bytes if layout.order == "HND" else layout.token_bytes)
@@ -58,9 +60,15 @@ def unit_table(layout: KVLayout, head_start: int, num_heads: int) -> np.ndarray:
     base = np.array([r.base for r in layout.regions], np.uint64)[:, None]
     stride = np.array([r.block_stride for r in layout.regions], np.uint64)[:, None]
     dev = np.array([r.device_id for r in layout.regions], np.uint64)[:, None]
+    return base, stride, dev, np.uint64(inner), np.uint64(length)
+
+
+def unit_table(layout: KVLayout, head_start: int, num_heads: int) -> np.ndarray:
+    """(regions * num_blocks, 3) `[addr, len, dev]`: entry r * num_blocks + b is the head slice of block b."""
+    base, stride, dev, inner, length = _unit_geometry(layout, head_start, num_heads)
     blocks = np.arange(layout.num_blocks, dtype=np.uint64)[None, :]
     out = np.empty((len(layout.regions), layout.num_blocks, 3), np.uint64)
-    out[..., 0] = base + stride * blocks + np.uint64(inner)
+    out[..., 0] = base + stride * blocks + inner
     out[..., 1] = length
     out[..., 2] = dev
     return out.reshape(-1, 3)
@@ -77,8 +85,73 @@ def plan_blocks(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_
     first_blk, nblk = dst_first_token // bs, -(-(num_tokens - dst_first_token) // bs)
     s = check_block_ids(src_blocks, first_blk, nblk, src, "src")
     d = check_block_ids(dst_blocks, 0, nblk, dst, "dst")
+    # Pairs in source order: blocks freed in reverse and reallocated on both sides become ascending
+    # runs again, which NIXL (and merge_runs) can merge.
+    order = np.argsort(s, kind="stable")
+    s, d = s[order], d[order]
     regions = np.arange(len(src.regions), dtype=np.int64)[:, None]
     local = (regions * src.num_blocks + s[None, :]).ravel().astype(np.int32)
     remote = (regions * dst.num_blocks + d[None, :]).ravel().astype(np.int32)
     nbytes = len(src.regions) * nblk * bs * route.num_heads * src.token_bytes
-    return BlockPlan(local, remote, nbytes)
+    return BlockPlan(local, remote, nbytes, s, d)
+
+
+def _units_touch(layout: KVLayout, num_heads: int) -> bool:
+    """Does the head slice of block b+1 start where block b's ends, in every region?"""
+    unit = layout.block_size * num_heads * layout.token_bytes
+    return all(r.block_stride == unit for r in layout.regions)
+
+
+def block_runs(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src_start, dst_start, length) of the maximal runs consecutive on both sides (pairs in source order)."""
+    if src_blocks.size == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    brk = np.flatnonzero((np.diff(src_blocks) != 1) | (np.diff(dst_blocks) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    lengths = np.diff(np.concatenate((starts, [src_blocks.size])))
+    return src_blocks[starts], dst_blocks[starts], lengths
+
+
+def _run_rows(layout: KVLayout, head_start: int, num_heads: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    base, stride, dev, inner, length = _unit_geometry(layout, head_start, num_heads)
+    rows = np.empty((len(layout.regions), starts.size, 3), np.uint64)
+    rows[..., 0] = base + stride * starts.astype(np.uint64)[None, :] + inner
+    rows[..., 1] = length * lengths.astype(np.uint64)[None, :]
+    rows[..., 2] = dev
+    return rows.reshape(-1, 3)
+
+
+def merge_runs(src: KVLayout, dst: KVLayout, route: HeadRoute, plan: BlockPlan,
+               max_descs: int | None = None) -> TransferPlan | None:
+    """One descriptor per (region, run of blocks consecutive on both sides), or None when the units of
+    consecutive blocks do not touch (head slices, K/V-interleaved blocks), or, with `max_descs`, when
+    merging would not halve the list or would leave more than `max_descs` entries (then per-block
+    prepped lists are cheaper to post)."""
+    if plan.src_blocks is None or not (_units_touch(src, route.num_heads) and _units_touch(dst, route.num_heads)):
+        return None
+    s0, d0, n = block_runs(plan.src_blocks, plan.dst_blocks)
+    if max_descs is not None and len(src.regions) * s0.size > min(max_descs, plan.num_descs // 2):
+        return None
+    return TransferPlan(_run_rows(src, route.src_head_start, route.num_heads, s0, n),
+                        _run_rows(dst, route.dst_head_start, route.num_heads, d0, n), plan.nbytes)
+
+
+
+MERGED_MAX_DESCS = 8192  # above this a merged list costs more to build and post than prepped indices
+
+
+def plan_write(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_blocks, *, num_tokens: int,
+               dst_first_token: int = 0, prepped: bool = False) -> BlockPlan | TransferPlan:
+    """The cheapest valid plan for one transfer: block runs merged into few descriptors when the blocks
+    mostly line up; else prepped per-block indices when `prepped` lists exist; else the general planner."""
+    if block_granular(src, dst, route):
+        bp = plan_blocks(src, dst, route, src_blocks, dst_blocks, num_tokens=num_tokens,
+                         dst_first_token=dst_first_token)
+        merged = merge_runs(src, dst, route, bp, MERGED_MAX_DESCS if prepped else None)
+        if merged is not None:
+            return merged
+        if prepped:
+            return bp
+    return plan_transfer(src, dst, route, src_blocks, dst_blocks, num_tokens=num_tokens,
+                         dst_first_token=dst_first_token)

@@ -104,3 +104,70 @@ def test_kv_interleaved_layouts_move_whole_blocks():
     assert bp.nbytes == plan.nbytes and bp.num_descs == 4
     with pytest.raises(PlanError, match="whole blocks"):
         plan_transfer(src, side(1 << 20, bs=8, nblk=2), route, [0, 1], [1], num_tokens=5)
+
+
+def _apply_rows(buf_s, buf_d, plan):
+    for (sa, ln, _), (da, _, _) in zip(plan.src, plan.dst):
+        so, do = int(sa) - buf_s.ctypes.data, int(da) - buf_d.ctypes.data
+        buf_d[do:do + int(ln)] = buf_s[so:so + int(ln)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_merged_runs_copy_the_same_bytes_as_per_block_plans(data):
+    """plan_write's merged block runs move exactly what the per-block plan moves, in fewer descriptors."""
+    from kvpush_common.blockplan import merge_runs, plan_write
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    total = data.draw(st.sampled_from([1, 2, 4]))
+    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    route = data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+    bs = data.draw(st.sampled_from([1, 2, 4]))
+    order = data.draw(st.sampled_from(["NHD", "HND"]))
+    geo = dict(num_layers=data.draw(st.integers(1, 3)), head_dim=data.draw(st.integers(1, 8)), dtype_size=2)
+    nblk = 16
+    buf_s, ls = _side(rng, heads=total // p_tp, bs=bs, order=order, blocks_first=data.draw(st.booleans()),
+                      num_blocks=nblk, geo=geo)
+    buf_d, ld = _side(rng, heads=total // d_tp, bs=bs, order=order, blocks_first=data.draw(st.booleans()),
+                      num_blocks=nblk, geo=geo)
+    n = data.draw(st.integers(1, 8 * bs))
+    first = data.draw(st.integers(0, (n - 1) // bs)) * bs
+    k_s, k_d = -(-n // bs), -(-(n - first) // bs)
+    if data.draw(st.booleans()):  # runs: consecutive (possibly reversed on both sides) or shuffled
+        start_s, start_d = data.draw(st.integers(0, nblk - k_s)), data.draw(st.integers(0, nblk - k_d))
+        sblk, dblk = np.arange(start_s, start_s + k_s), np.arange(start_d, start_d + k_d)
+        if data.draw(st.booleans()):
+            sblk, dblk = sblk[::-1].copy(), dblk[::-1].copy()
+    else:
+        sblk, dblk = rng.permutation(nblk)[:k_s], rng.permutation(nblk)[:k_d]
+    buf_s[:] = rng.integers(0, 256, buf_s.size, dtype=np.uint8)
+    buf_d[:] = 0xAB
+    if not block_granular(ls, ld, route):
+        return
+    bp = plan_blocks(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first)
+    _copy(buf_s, ls, buf_d, ld, route, bp)
+    ref_d = buf_d.copy()
+    buf_d[:] = 0xAB
+    merged = merge_runs(ls, ld, route, bp)
+    plan = plan_write(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first, prepped=True)
+    if merged is None:
+        assert isinstance(plan, type(bp)) and np.array_equal(plan.local_idx, bp.local_idx)
+        assert np.array_equal(plan.remote_idx, bp.remote_idx)
+        return
+    assert merged.nbytes == bp.nbytes and merged.num_descs <= bp.num_descs
+    _apply_rows(buf_s, buf_d, merged)
+    np.testing.assert_array_equal(buf_d, ref_d)
+
+
+def test_consecutive_blocks_merge_into_one_descriptor_per_region():
+    from kvpush_common.blockplan import merge_runs
+
+    geo = dict(num_layers=4, num_heads=1, head_dim=8, block_size=16, num_blocks=64)
+    src, dst = contiguous_layout(0, **geo), contiguous_layout(1 << 30, **geo)
+    route = routes(1, 1, 1)[0]
+    # blocks freed in reverse and reallocated on both sides: descending, still one run after sorting
+    bp = plan_blocks(src, dst, route, list(range(40, 8, -1)), list(range(63, 31, -1)), num_tokens=32 * 16)
+    merged = merge_runs(src, dst, route, bp)
+    assert merged.num_descs == len(src.regions) and bp.num_descs == 32 * len(src.regions)
+    assert int(merged.src[0, 1]) == 32 * src.block_bytes

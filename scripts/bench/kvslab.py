@@ -1,0 +1,73 @@
+"""The benchmark's KV cache: a kvpush slab (VRAM or DRAM) in vLLM's FlashAttention layout, a vLLM-like
+free block queue, and the byte pattern each prefill writes and each decode checks."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+QWEN3_32B_RANK = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2)  # TP=8 share
+
+
+class BlockPool:
+    """vLLM's free block queue: allocate from the head; a finished request's blocks go to the tail in
+    reverse order (tail blocks first).  Under churn, requests get scattered and reversed blocks."""
+
+    def __init__(self, num_blocks: int):
+        self.free = collections.deque(range(num_blocks))
+        self.num_blocks = num_blocks
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class KVSlab:
+    """A slab with a (layers*2, num_blocks, block_bytes) byte view, on `device` (None: host DRAM)."""
+
+    def __init__(self, *, block_size: int, num_blocks: int, device: int | None, geometry: dict):
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
+        if device is None:
+            from kvpush_common.host_backend import HostBackend
+
+            self.backend = HostBackend(block_size=block_size, num_blocks=num_blocks, **geometry)
+            flat = self.backend.buffer
+        else:
+            from kvpush_cuda.slab import CudaSlab
+
+            self.backend = CudaSlab(block_size=block_size, num_blocks=num_blocks, device=device, **geometry)
+            flat = self.backend.tensor
+        self.planes = flat.reshape(geometry["num_layers"] * 2, num_blocks, -1)
+
+    def _index(self, blocks):
+        if self.device is None:
+            return np.asarray(blocks)
+        import torch
+
+        return torch.as_tensor(blocks, device=f"cuda:{self.device}")
+
+    def fill(self, blocks: list[int], value: int) -> None:
+        """What the prefill forward does to these blocks (enqueued on the GPU; no sync)."""
+        if self.device is None:
+            self.planes[:, self._index(blocks), :] = value
+        else:
+            self.planes.index_fill_(1, self._index(blocks), value)
+
+    def count_wrong(self, blocks: list[int], value: int, planes: slice = slice(None)) -> int:
+        """Bytes in these blocks (of the chosen planes) that do not hold `value`."""
+        got = self.planes[planes][:, self._index(blocks), :]
+        return int((got != value).sum())
+
+
+def pattern(seq: int) -> int:
+    """Byte written by request number `seq`: consecutive requests differ, never 0 (fresh memory)."""
+    return 1 + seq % 251
