@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_router(sub)
+    _add_config_and_doctor(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args, parser)
@@ -63,6 +64,75 @@ def _run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         log.error("router start-up failed: %s", e)
         return 1
     return 0
+
+
+# ---- kvpush config / kvpush doctor: device targets found through entry points ----------------------
+
+def _add_config_and_doctor(sub: argparse._SubParsersAction) -> None:
+    from . import deploy
+
+    targets, broken = deploy.load_targets()
+    p = sub.add_parser("config", help="print the environment and vllm serve (or router) command of one server",
+                       description="Launch plan of one server for a device target: `export` lines and the command "
+                                   "(--format shell), or JSON.  Targets come from the kvpush.targets entry points.")
+    p.set_defaults(run=_run_config, log_level="WARNING", broken_targets=broken)
+    tsub = p.add_subparsers(dest="target", required=True, metavar="TARGET")
+    for name, target in sorted(targets.items()):
+        tp = tsub.add_parser(name, help=target.help, description=target.help)
+        target.add_arguments(tp)
+        tp.set_defaults(target_obj=target)
+    d = sub.add_parser("doctor", help="check this host before launching a target's servers; non-zero exit on failure",
+                       description="Checks this host (and a generated launch environment) for a device target and "
+                                   "explains each failure with its fix.  Exit status 1 when any check fails.")
+    d.add_argument("--target", required=True, choices=sorted(set(targets) | set(broken)))
+    d.add_argument("--plan", action="append", default=[], metavar="FILE",
+                   help="a `kvpush config ... --format json` output: check the environment it launches with "
+                        "(repeat for several servers; default: this shell's environment)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(run=_run_doctor, log_level="WARNING", targets=targets, broken_targets=broken)
+
+
+def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import deploy
+
+    try:
+        plan = deploy.plan_from_args(args.target_obj, args)
+    except ValueError as e:
+        print(f"kvpush config {args.target}: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(deploy.render_shell(plan) if args.format == "shell" else deploy.render_json(plan))
+    return 0
+
+
+def _run_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import json
+    import os
+
+    from . import deploy
+
+    if args.target in args.broken_targets:
+        checks = [deploy.Check("target", False, "cannot load", (
+            f"the {args.target} target does not import ({args.broken_targets[args.target]}): reinstall kvpush "
+            "(pip install -e .) and its backend's dependencies",))]
+        plans: list = [None]
+    else:
+        plans = []
+        for path in args.plan:
+            with open(path) as f:
+                plans.append(json.load(f))
+            if plans[-1].get("target") != args.target:
+                parser.error(f"{path}: plan is for target {plans[-1].get('target')!r}, not {args.target!r}")
+        checks = []
+        for plan in plans or [None]:
+            env = deploy.LaunchPlan.from_dict(plan).environment(os.environ) if plan else dict(os.environ)
+            found = args.targets[args.target].doctor(env, plan)
+            if plan is not None:
+                found = [deploy.Check(f"{plan.get('name')}: {c.name}", c.ok, c.detail, c.problems, c.warn)
+                         for c in found]
+            checks += found
+    sys.stdout.write(deploy.checks_json(args.target, checks) if args.json
+                     else deploy.render_checks(args.target, checks))
+    return 1 if deploy.failed(checks) else 0
 
 
 if __name__ == "__main__":

