@@ -87,6 +87,10 @@ class Completion:
         self._pending[key] = _Pending(expected=expected, deadline=now + self.transfer_timeout_s)
         return []
 
+    def keys_registered_with(self, producer: Producer) -> set[TransferKey]:
+        """Keys that registered with this producer rank and have not heard its last word yet."""
+        return {key for key, p in self._pending.items() if producer in p.in_doubt()}
+
     def wants_registration(self, key: TransferKey) -> bool:
         """Still waiting and not failing: registering now is allowed (a failing key must not invite WRITEs)."""
         p = self._pending.get(key)

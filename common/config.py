@@ -30,6 +30,7 @@ class EndpointConfig:
     tombstone_s: float = 600.0
     fence_grace_s: float = 5.0  # allowance for a control message still in flight
     prepped_lists: bool = True  # same block geometry on both sides: post from per-peer prepped lists
+    peer_idle_s: float = 600.0  # forget a peer silent this long with no live work (a restart under a new id)
     poll_s: float = 0.001  # worker poll period while work is outstanding
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
 
@@ -54,4 +55,7 @@ class EndpointConfig:
         for name in ("lease_s", "reg_ttl_s", "write_timeout_s", "transfer_timeout_s", "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.peer_idle_s <= max(self.lease_s, self.reg_ttl_s) + self.write_timeout_s:
+            raise ValueError("peer_idle_s must exceed max(lease_s, reg_ttl_s) + write_timeout_s: a silent peer's "
+                             "registrations and leases must have ended before it is forgotten")
         return self

@@ -15,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .completion import Completion, Received, SendRevoke
-from .endpoint import Endpoint, Peer
+from .endpoint import Endpoint, Peer, incarnation_of
 from .handshake import HandshakeError, request_hello
 from .identity import TransferKey
-from .planner import PlanError, plan_transfer
+from .blockplan import plan_write
+from .planner import PlanError
 from .topology import producers_for, routes
 from .transport import TransportError
 from .wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, ReadGrant, ReadResult, Register, Revoke,
@@ -69,13 +70,15 @@ class ConsumerEndpoint(Endpoint):
         self._expected_at: dict[TransferKey, float] = {}
         self._expects: dict[TransferKey, Expect] = {}  # pull mode needs the blocks when the grant comes
         self._reads: list[_Read] = []
+        self._suspect: set[tuple[str, int]] = set()  # producer ranks to handshake again before the next use
+        self._addr: dict[tuple[str, int], tuple[str, int]] = {}  # producer rank -> side channel it answered on
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
                first_token: int = 0) -> None:
         """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
         self._enqueue(("expect", Expect(TransferKey(transfer_id, attempt), producer,
-                                        tuple(int(b) for b in block_ids), int(num_tokens), int(first_token))))
+                                        tuple(map(int, block_ids)), int(num_tokens), int(first_token))))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         """Give up; the blocks come back through take_finished once no WRITE can land in them."""
@@ -93,51 +96,71 @@ class ConsumerEndpoint(Endpoint):
     def _step(self) -> bool:
         now = self.clock()
         out: list = []
-        for item in self._drain_inbox():
-            kind = item[0]
-            if kind == "expect":
-                out += self._on_expect(item[1], now)
-            elif kind == "abort":
-                out += self.completion.abort(item[1], item[2], now)
-            elif kind == "peer_ok":
-                out += self._on_peer_ok(item[1], item[2], now)
-            elif kind == "peer_fail":
-                out += self._on_peer_fail(item[1], item[2], now)
-        for peer, msg in self._receive(self.transport.get_notifs()):
-            key = TransferKey(msg.transfer_id, msg.attempt)
-            prod = (peer.engine_id, peer.rank)
-            if isinstance(msg, WriteDone):
-                out += self.completion.on_done(key, prod, now)
-            elif isinstance(msg, WriteFailed):
-                out += self.completion.on_failed(key, prod, f"{msg.code}: {msg.reason}", now)
-            elif isinstance(msg, RevokeAck):
-                out += self.completion.on_revoke_ack(key, prod, now)
-            elif isinstance(msg, ReadGrant):
-                out += self._on_grant(peer, msg, now)
-        out += self._poll_reads(now)
-        out += self.completion.tick(now)
-        self._act(out)
+        try:  # each unit is guarded, and whatever was decided is always acted on (no lost results)
+            for item in self._drain_inbox():
+                out += self._guard(self._on_item, item, now)
+            for peer, msg in self._receive(self.transport.get_notifs()):
+                out += self._guard(self._on_msg, peer, msg, now)
+            out += self._guard(self._poll_reads, now)
+            out += self._guard(self.completion.tick, now)
+        finally:
+            self._act(out)
         if now >= self._next_heartbeat:
             self._heartbeat()
             self._next_heartbeat = now + self.cfg.heartbeat_s
+        busy = {(e.producer.engine_id, r) for e in self._expects.values() for r in range(e.producer.tp_size)}
+        self._evict_idle(now, busy | set(self._connecting) | {r.producer for r in self._reads})
         return len(self.completion) > 0 or bool(self._reads)
+
+    def _on_item(self, item, now: float) -> list:
+        kind = item[0]
+        if kind == "expect":
+            return self._on_expect(item[1], now)
+        if kind == "abort":
+            return self.completion.abort(item[1], item[2], now)
+        if kind == "peer_ok":
+            return self._on_peer_ok(item[1], item[2], now, item[3] if len(item) > 3 else None)
+        if kind == "peer_fail":
+            return self._on_peer_fail(item[1], item[2], now)
+        return []
+
+    def _on_msg(self, peer: Peer, msg, now: float) -> list:
+        key = TransferKey(msg.transfer_id, msg.attempt)
+        prod = (peer.engine_id, peer.rank)
+        if isinstance(msg, WriteDone):
+            return self.completion.on_done(key, prod, now)
+        if isinstance(msg, WriteFailed):
+            return self.completion.on_failed(key, prod, f"{msg.code}: {msg.reason}", now)
+        if isinstance(msg, RevokeAck):
+            return self.completion.on_revoke_ack(key, prod, now)
+        if isinstance(msg, ReadGrant):
+            return self._on_grant(peer, msg, now)
+        return []
 
     def _act(self, out: list) -> None:
         for a in out:
-            if isinstance(a, Received):
-                self._expects.pop(a.key, None)
-                started = self._expected_at.pop(a.key, None)
-                if started is not None and a.ok:
-                    self.stats.recv_wait_seconds.observe(self.clock() - started)
-                self.event("received" if a.ok else "recv_failed", a.key, reason=a.reason[:200])
-                (self.stats.received_ok if a.ok else self.stats.received_failed).inc()
-                self._outbox.append(a)
-            elif isinstance(a, SendRevoke):
-                peer = self._peers.get(a.producer)
-                if peer is not None:
-                    self._send(peer, Revoke(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
-                                            consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank,
-                                            reason=a.reason[:500]))
+            self._guard(self._act_one, a)
+
+    def _act_one(self, a) -> None:
+        if isinstance(a, Received):
+            e = self._expects.pop(a.key, None)
+            started = self._expected_at.pop(a.key, None)
+            if started is not None and a.ok:
+                self.stats.recv_wait_seconds.observe(self.clock() - started)
+            self._outbox.append(a)  # first: the engine must get its blocks back whatever happens next
+            self.event("received" if a.ok else "recv_failed", a.key, reason=a.reason[:200])
+            (self.stats.received_ok if a.ok else self.stats.received_failed).inc()
+            if not a.ok and started is not None and e is not None:  # producers silent since it began: re-check
+                for r in range(e.producer.tp_size):
+                    prod = (e.producer.engine_id, r)
+                    if self._last_seen.get(prod, 0.0) < started:
+                        self._suspect.add(prod)
+        elif isinstance(a, SendRevoke):
+            peer = self._peers.get(a.producer)
+            if peer is not None:
+                self._send(peer, Revoke(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
+                                        consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank,
+                                        reason=a.reason[:500]))
 
     def _on_expect(self, e: Expect, now: float) -> list:
         if e.key in self.completion:
@@ -160,14 +183,18 @@ class ConsumerEndpoint(Endpoint):
         for prod in sorted(expected):
             if not self.completion.wants_registration(e.key):
                 break  # an earlier producer rank already failed it
-            if prod in self._peers:
-                out += self._register(e, self._peers[prod], now)
+            if prod in self._peers and prod not in self._suspect and prod not in self._connecting:
+                out += self._register(e, self._peers[prod], now, retry=True)
             else:
-                waiting = self._connecting.setdefault(prod, [])
-                if not waiting:
-                    self._pool.submit(self._handshake, e.producer, prod[1])
-                waiting.append(e)
+                self._connect(e, prod)
         return out
+
+    def _connect(self, e: Expect, prod: tuple[str, int]) -> None:
+        """Queue `e` behind a (new) handshake with producer rank `prod`; one handshake per rank at a time."""
+        waiting = self._connecting.setdefault(prod, [])
+        if not waiting:
+            self._pool.submit(self._handshake, e.producer, prod[1])
+        waiting.append(e)
 
     def _handshake(self, ref: ProducerRef, rank: int) -> None:
         """Pool thread: ZMQ only; the result goes back to the worker through the inbox."""
@@ -183,19 +210,36 @@ class ConsumerEndpoint(Endpoint):
                 # our fence wait after a revoke assumes no WRITE outlives our own write_timeout_s
                 reason = (f"producer write_timeout_s {hello.write_timeout_ms / 1000:g} exceeds this consumer's "
                           f"{self.cfg.write_timeout_s:g}: raise the consumer's write_timeout_s")
-            self._enqueue(("peer_fail", prod, reason) if reason else ("peer_ok", prod, hello))
+            addr = (ref.host, ref.base_port + rank)
+            self._enqueue(("peer_fail", prod, reason) if reason else ("peer_ok", prod, hello, addr))
         except HandshakeError as err:
             self._enqueue(("peer_fail", prod, str(err)))
         except Exception as err:  # never lose the waiting requests
             log.exception("handshake crashed")
             self._enqueue(("peer_fail", prod, f"handshake crashed: {err!r}"))
 
-    def _on_peer_ok(self, prod, hello, now: float) -> list:
+    def _on_peer_ok(self, prod, hello, now: float, addr=None) -> list:
         out: list = []
-        try:
-            peer = self._add_peer(hello)
-        except TransportError as err:
-            return self._on_peer_fail(prod, f"could not load producer agent: {err}", now)
+        self._suspect.discard(prod)
+        old = self._peers.get(prod)
+        if old is not None and old.incarnation == incarnation_of(hello):
+            peer = old  # the same process answered: keep its agent and connection
+            self._last_seen[prod] = now
+        else:
+            if old is not None and addr is not None and self._addr.get(prod) == addr:
+                # A new process answers on the old one's side-channel port, which the old one held until it
+                # exited: nothing more can land from it.  Keys it owed end now instead of at their fence.
+                log.warning("producer %s rank %d restarted: failing the keys its old process owed", *prod)
+                self.stats.peers_evicted.inc()
+                retrying = {e.key for e in self._connecting.get(prod, [])}  # their sends never got through
+                for key in self.completion.keys_registered_with(prod) - retrying:
+                    out += self.completion.on_failed(key, prod, "producer restarted", now)
+            try:
+                peer = self._add_peer(hello)
+            except TransportError as err:
+                return out + self._on_peer_fail(prod, f"could not load producer agent: {err}", now)
+        if addr is not None:
+            self._addr[prod] = addr
         for e in self._connecting.pop(prod, []):
             if self.completion.wants_registration(e.key):
                 out += self._register(e, peer, now)
@@ -208,7 +252,7 @@ class ConsumerEndpoint(Endpoint):
             out += self.completion.on_failed(e.key, prod, f"handshake failed: {reason}", now)
         return out
 
-    def _register(self, e: Expect, peer: Peer, now: float) -> list:
+    def _register(self, e: Expect, peer: Peer, now: float, retry: bool = False) -> list:
         prod = (peer.engine_id, peer.rank)
         self.completion.on_registered(e.key, prod)  # from now on a WRITE may land
         sent = self._send(peer, Register(transfer_id=e.key.transfer_id, attempt=e.key.attempt,
@@ -218,6 +262,10 @@ class ConsumerEndpoint(Endpoint):
                                   ttl_ms=int(self.cfg.reg_ttl_s * 1000)))
         if sent:
             self.event("registered", e.key, producer_rank=peer.rank, first_token=e.first_token, blocks=len(e.block_ids))
+            return []
+        if retry:  # the peer may have restarted (its old agent is unreachable): handshake again, then register
+            self._suspect.add(prod)
+            self._connect(e, prod)
             return []
         return self.completion.on_failed(e.key, prod, "could not send the registration", now)
 
@@ -238,8 +286,8 @@ class ConsumerEndpoint(Endpoint):
                 raise PlanError(f"producer has {g.num_tokens} tokens, this request expects {e.num_tokens}")
             route = next(r for r in routes(self.cfg.total_kv_heads, peer.tp_size, self.cfg.tp_size)
                          if r.src_rank == peer.rank and r.dst_rank == self.cfg.rank)
-            plan = plan_transfer(peer.layout, self.layout, route, g.block_ids, e.block_ids, num_tokens=g.num_tokens,
-                                 dst_first_token=e.first_token)
+            plan = plan_write(peer.layout, self.layout, route, g.block_ids, e.block_ids, num_tokens=g.num_tokens,
+                              dst_first_token=e.first_token)
             notif = self.codec.encode(self._read_result(peer, key, True))
             handle = self.transport.post("READ", peer.agent, plan.dst, plan.src, self.layout.mem_type,
                                          peer.layout.mem_type, notif)
@@ -284,4 +332,5 @@ class ConsumerEndpoint(Endpoint):
                 continue
             for i in range(0, len(keys), MAX_HEARTBEAT_KEYS):
                 chunk = [KeyRef(k.transfer_id, k.attempt) for k in keys[i:i + MAX_HEARTBEAT_KEYS]]
-                self._send(peer, Heartbeat(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, keys=chunk))
+                if not self._send(peer, Heartbeat(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, keys=chunk)):
+                    self._suspect.add(prod)

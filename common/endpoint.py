@@ -8,6 +8,7 @@ caller of NIXL), and the handshake thread(s) (ZMQ only).
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ class Peer:
     agent: str
     layout: KVLayout
     write_timeout_s: float = 30.0  # the peer's bound on one transfer (Hello.write_timeout_ms)
+    incarnation: str = ""  # digest of the peer's NIXL agent metadata: a restarted process has a new one
 
 
 TransportFactory = Callable[[EndpointConfig, bool], Transport]
@@ -68,6 +70,8 @@ class Endpoint:
         self.transport: Transport | None = None
         self._agent_md = b""
         self._peers: dict[tuple[str, int], Peer] = {}
+        self._last_seen: dict[tuple[str, int], float] = {}  # peer -> last message from it (or to it)
+        self._next_evict = 0.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -185,15 +189,51 @@ class Endpoint:
         agent = self.transport.add_peer(hello.agent_metadata)
         if agent != hello.agent_name:
             raise TransportError(f"peer agent metadata names {agent!r}, Hello claims {hello.agent_name!r}")
-        peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout, hello.write_timeout_ms / 1000.0)
+        peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout, hello.write_timeout_ms / 1000.0,
+                    incarnation_of(hello))
         self._peers[(hello.engine_id, hello.rank)] = peer
+        self._last_seen[(hello.engine_id, hello.rank)] = self.clock()
         return peer
+
+    def _guard(self, fn, *args) -> list:
+        """Run one unit of a worker step (an inbox item, a message, an action).  An unexpected exception
+        is logged and counted, and costs only that unit: the rest of the step's work still happens, so
+        no result (a `Received`, a `Release`) computed earlier in the step is lost."""
+        try:
+            return fn(*args) or []
+        except Exception:
+            log.exception("kvpush %s worker: %s failed", self.role, getattr(fn, "__name__", fn))
+            self.stats.worker_errors.inc()
+            return []
+
+    def _evict_idle(self, now: float, busy: set[tuple[str, int]]) -> None:
+        """Forget peers not heard from for `peer_idle_s` that no live work refers to (upstream S1): a
+        peer that restarted under a new engine id would otherwise hold its NIXL agent for ever."""
+        if now < self._next_evict:
+            return
+        self._next_evict = now + min(60.0, self.cfg.peer_idle_s / 4)
+        for key, peer in list(self._peers.items()):
+            if key in busy or now - self._last_seen.get(key, now) < self.cfg.peer_idle_s:
+                continue
+            self._forget_peer(key, "idle")
+
+    def _forget_peer(self, key: tuple[str, int], why: str) -> None:
+        peer = self._peers.pop(key, None)
+        self._last_seen.pop(key, None)
+        if peer is None:
+            return
+        log.info("kvpush %s: forgetting peer %s rank %d (%s)", self.role, key[0], key[1], why)
+        self.stats.peers_evicted.inc()
+        try:
+            self.transport.remove_peer(peer.agent)
+        except TransportError as e:
+            log.warning("removing agent %s: %s", peer.agent, e)
 
     def _send(self, peer: Peer, msg: Message) -> bool:
         try:
             self.transport.send_notif(peer.agent, self.codec.encode(msg))
             return True
-        except (TransportError, WireError) as e:
+        except Exception as e:  # TransportError, WireError, or anything else: the message did not go
             self.stats.failed_notifs.inc()
             log.warning("could not send %s to %s: %s", type(msg).__name__, peer.agent, e)
             return False
@@ -216,8 +256,14 @@ class Endpoint:
                     log.warning("dropped %s from %s: sender does not match a handshaken peer %s",
                                 type(msg).__name__, agent, claimed)
                     continue
+                self._last_seen[claimed] = self.clock()
                 out.append((peer, msg))
         return out
 
     def _claimed_sender(self, msg: Message) -> tuple[str, int] | None:
         raise NotImplementedError
+
+
+def incarnation_of(hello: Hello) -> str:
+    """A process's NIXL agent metadata holds its own connection addresses: equal metadata, same process."""
+    return hashlib.sha256(hello.agent_metadata).hexdigest()[:16]

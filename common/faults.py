@@ -30,6 +30,8 @@ class FaultPlan:
     fail_post: float = 0.0
     err_xfer: float = 0.0  # the post succeeds, the transfer then reports ERR (nothing is sent)
     post_delay_s: float = 0.0  # hold every post this long (PROC) before really posting: a slow WRITE
+    crash_send: float = 0.0  # send_notif raises an unexpected (non-TransportError) exception: a bug mid-step
+    crash_fetch: float = 0.0  # get_notifs raises an unexpected exception (nothing is fetched or lost)
     match: Callable[[bytes], bool] | None = None  # notif faults apply only where this is true
     match_tag: str | None = None  # ... or only to messages of this wire tag ("hb", "reg", "done", ...)
 
@@ -85,7 +87,12 @@ class FaultyTransport:
             if held[2] is None:
                 if self._clock() < held[0]:
                     return "PROC"
-                held[2] = held[1]()
+                try:
+                    held[2] = held[1]()
+                except TransportError:  # the real post failed: the held transfer ends in ERR, releasable
+                    del self._held_posts[id(handle)]
+                    self._fake_err.add(id(handle))
+                    raise
             return self.inner.state(held[2])
         return self.inner.state(handle)
 
@@ -103,7 +110,16 @@ class FaultyTransport:
             return False
         return self.inner.release(handle)
 
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        if self._hit(self.plan.crash_send):
+            self.counts["crash_send"] += 1
+            raise RuntimeError("injected fault: unexpected exception in send_notif")
+        self.inner.send_notif(peer, msg)
+
     def get_notifs(self) -> dict[str, list[bytes]]:
+        if self._hit(self.plan.crash_fetch):
+            self.counts["crash_fetch"] += 1
+            raise RuntimeError("injected fault: unexpected exception in get_notifs")
         now = self._clock()
         out: list[tuple[str, bytes]] = []
         tag = b"\xa1t" + msgspec.msgpack.encode(self.plan.match_tag) if self.plan.match_tag else None

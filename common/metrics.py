@@ -23,6 +23,8 @@ class EndpointStats:
         self.failed_notifs = counter("failed_notifications", "control messages that could not be sent")
         self.rejected_msgs = counter("rejected_messages", "incoming messages refused", ("reason",))
         self.worker_errors = counter("worker_errors", "unexpected exceptions in the worker loop")
+        self.peers_evicted = counter("peers_evicted", "peers forgotten: idle, unreachable, or replaced by a restart")
+        self.stale_batches = counter("stalled_steps", "worker steps after a stall longer than fence_grace_s")
         self.received_ok = counter("requests_received", "consumer requests whose KV became usable")
         self.received_failed = counter("requests_failed", "consumer requests that ended without usable KV")
         self.released = counter("requests_released", "producer requests whose blocks were released", ("outcome",))

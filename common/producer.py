@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .blockplan import block_granular, plan_blocks, unit_table
+from .blockplan import BlockPlan, block_granular, plan_write, unit_table
 from .endpoint import Endpoint, Peer
 from .handshake import HandshakeServer
 from .identity import TransferKey
@@ -54,12 +54,15 @@ class ProducerEndpoint(Endpoint):
         self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
         self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
         self._ready_at: dict[TransferKey, float] = {}
+        self._reg_from: dict[tuple[TransferKey, Dest], str] = {}  # registration -> incarnation that sent it
+        self._last_fetch: float | None = None
+        self._next_prune = 0.0
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int) -> None:
         """The step that computed this request's KV was issued; its blocks stay ours until released."""
         fence = self.backend.mark_kv_written()
-        ready = ReadyKV(tuple(int(b) for b in block_ids), int(num_tokens), fence)
+        ready = ReadyKV(tuple(map(int, block_ids)), int(num_tokens), fence)
         self._enqueue(("ready", TransferKey(transfer_id, attempt), ready))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
@@ -110,65 +113,101 @@ class ProducerEndpoint(Endpoint):
         # registration only after our handshake reply, and its peer entry was queued before that.
         notifs = self.transport.get_notifs()
         now = self.clock()
+        # A step that follows a stall (the process was paused, or starved) longer than fence_grace_s may
+        # fetch control messages of any age.  A consumer may already have given up on them and reused its
+        # blocks, so this batch renews nothing and starts nothing (design section 8, assumption a).
+        gap = now - self._last_fetch if self._last_fetch is not None else 0.0
+        self._last_fetch = now
+        stalled = gap > self.cfg.fence_grace_s
+        if stalled:
+            self.stats.stale_batches.inc()
+            log.warning("producer worker stalled %.1f s: refusing the registrations and heartbeats it fetched", gap)
         actions = []
-        for item in self._drain_inbox():
-            kind = item[0]
-            if kind == "peer":
-                try:
-                    self._prepare_peer(self._add_peer(item[1]))
-                except TransportError as e:
-                    log.warning("could not add consumer %s: %s", item[1].agent_name, e)
-            elif kind == "ready":
-                self.event("kv_ready", item[1])
-                self._ready_at[item[1]] = now
-                actions += self.rendezvous.on_ready(item[1], item[2], now)
-            elif kind == "abort":
-                actions += self.rendezvous.on_local_abort(item[1], item[2], now)
-        for peer, msg in self._receive(notifs):
-            key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, Heartbeat) else None
-            if isinstance(msg, Register):
-                if msg.consumer_tp != peer.tp_size:
-                    actions.append(SendFailed(key, (peer.engine_id, peer.rank), "bad_registration",
-                                              "consumer_tp differs from the handshake"))
-                    continue
-                self.event("registration", key, consumer_rank=peer.rank)
-                actions += self.rendezvous.on_register(msg, now)
-            elif isinstance(msg, Revoke):
-                actions += self.rendezvous.on_revoke(key, (peer.engine_id, peer.rank), now)
-            elif isinstance(msg, ReadResult):
-                actions += self._on_read_result(key, (peer.engine_id, peer.rank), msg, now)
-            elif isinstance(msg, Heartbeat):
-                self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
-                                             peer.engine_id)
-        actions += self.rendezvous.tick(now)
-        self._run(actions, now)
+        try:  # each unit is guarded, and whatever was decided is always acted on (no lost results)
+            for item in self._drain_inbox():
+                actions += self._guard(self._on_item, item, now)
+            for peer, msg in self._receive(notifs):
+                actions += self._guard(self._on_msg, peer, msg, now, stalled)
+            actions += self._guard(self.rendezvous.tick, now)
+        finally:
+            self._run(actions, now)
         self._poll_inflight()
+        if now >= self._next_prune:  # forget the sender of registrations whose entry has ended
+            self._next_prune = now + 1.0
+            self._reg_from = {k: v for k, v in self._reg_from.items() if self.rendezvous.entry_state(k[0]) is not None}
+        self._evict_idle(now, {i.dest for i in self._inflight})
         return bool(self._inflight) or self.rendezvous.has_unmatched()
+
+    def _on_item(self, item, now: float) -> list:
+        kind = item[0]
+        if kind == "peer":
+            try:
+                self._prepare_peer(self._add_peer(item[1]))
+            except TransportError as e:
+                log.warning("could not add consumer %s: %s", item[1].agent_name, e)
+        elif kind == "ready":
+            self.event("kv_ready", item[1])
+            self._ready_at[item[1]] = now
+            return self.rendezvous.on_ready(item[1], item[2], now)
+        elif kind == "abort":
+            return self.rendezvous.on_local_abort(item[1], item[2], now)
+        return []
+
+    def _on_msg(self, peer: Peer, msg, now: float, stalled: bool) -> list:
+        key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, Heartbeat) else None
+        dest = (peer.engine_id, peer.rank)
+        if isinstance(msg, Register):
+            if msg.consumer_tp != peer.tp_size:
+                return [SendFailed(key, dest, "bad_registration", "consumer_tp differs from the handshake")]
+            if stalled:
+                return [SendFailed(key, dest, "expired", "producer stalled; registration of unknown age")]
+            self.event("registration", key, consumer_rank=peer.rank)
+            self._reg_from.setdefault((key, dest), peer.incarnation)
+            return self.rendezvous.on_register(msg, now)
+        if isinstance(msg, Revoke):
+            return self.rendezvous.on_revoke(key, dest, now)
+        if isinstance(msg, ReadResult):
+            return self._on_read_result(key, dest, msg, now)
+        if isinstance(msg, Heartbeat) and not stalled:
+            self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
+                                         peer.engine_id)
+        return []
 
     def _run(self, actions, now: float) -> None:
         while actions:
-            a = actions.pop(0)
-            if isinstance(a, StartWrite):
-                actions += self._start_write(a, now)
-            elif isinstance(a, SendFailed):
-                self.stats.writes_failed.labels(code=a.code).inc()
-                peer = self._peers.get(a.dest)
-                if peer is not None:
-                    self._send(peer, WriteFailed(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
-                                                 producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank,
-                                                 code=a.code, reason=a.reason[:500]))
-            elif isinstance(a, SendRevokeAck):
-                peer = self._peers.get(a.dest)
-                if peer is not None:
-                    self._send(peer, RevokeAck(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
-                                               producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank))
-            elif isinstance(a, Release):
-                self.event("released", a.key, outcome=a.outcome.value)
-                ready_at = self._ready_at.pop(a.key, None)
-                if ready_at is not None and a.outcome is Outcome.DONE:
-                    self.stats.handoff_seconds.observe(self.clock() - ready_at)
-                self.stats.released.labels(outcome=a.outcome.value).inc()
-                self._outbox.append(a)
+            actions += self._guard(self._run_one, actions.pop(0), now)
+
+    def _run_one(self, a, now: float) -> list:
+        if isinstance(a, StartWrite):
+            try:
+                return self._start_write(a, now)
+            except Exception as e:  # the rendezvous counts this destination as writing: it must get a result
+                log.exception("starting write %s -> %s failed", a.key, a.dest)
+                self.stats.worker_errors.inc()
+                if any(i.key == a.key and i.dest == a.dest and i.handle is not None for i in self._inflight):
+                    return []  # posted: polling ends it
+                self._inflight = [i for i in self._inflight if not (i.key == a.key and i.dest == a.dest)]
+                return self._fail_write(a, "post_failed", f"internal error: {e!r}", now)
+        elif isinstance(a, SendFailed):
+            self.stats.writes_failed.labels(code=a.code).inc()
+            peer = self._peers.get(a.dest)
+            if peer is not None:
+                self._send(peer, WriteFailed(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
+                                             producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank,
+                                             code=a.code, reason=a.reason[:500]))
+        elif isinstance(a, SendRevokeAck):
+            peer = self._peers.get(a.dest)
+            if peer is not None:
+                self._send(peer, RevokeAck(transfer_id=a.key.transfer_id, attempt=a.key.attempt,
+                                           producer_engine=self.cfg.engine_id, producer_rank=self.cfg.rank))
+        elif isinstance(a, Release):
+            self._outbox.append(a)  # first: the engine must get its blocks back whatever happens next
+            self.event("released", a.key, outcome=a.outcome.value)
+            ready_at = self._ready_at.pop(a.key, None)
+            if ready_at is not None and a.outcome is Outcome.DONE:
+                self.stats.handoff_seconds.observe(self.clock() - ready_at)
+            self.stats.released.labels(outcome=a.outcome.value).inc()
+        return []
 
     def _fail_write(self, a: StartWrite, code: str, reason: str, now: float) -> list:
         log.warning("write %s -> %s failed (%s): %s", a.key, a.dest, code, reason)
@@ -178,6 +217,8 @@ class ProducerEndpoint(Endpoint):
         peer = self._peers.get(a.dest)
         if peer is None:
             return self._fail_write(a, "unknown_consumer", "no handshake with this consumer rank", now)
+        if not self._same_incarnation(a, peer):
+            return self._fail_write(a, "unknown_consumer", "consumer rank restarted since it registered", now)
         if a.reg.num_tokens != a.ready.num_tokens:
             return self._fail_write(a, "token_mismatch",
                                     f"consumer expects {a.reg.num_tokens} tokens, producer has {a.ready.num_tokens}", now)
@@ -193,24 +234,24 @@ class ProducerEndpoint(Endpoint):
         if not self.backend.kv_written(a.ready.fence):
             return []
         t_post = self.clock()
-        peer = self._peers[a.dest]
+        peer = self._peers.get(a.dest)
+        if peer is None or not self._same_incarnation(a, peer):  # it restarted while we waited for the fence
+            self._inflight.remove(item)
+            return self._fail_write(a, "unknown_consumer", "consumer rank restarted since it registered", now)
         if self.cfg.mode == "pull":
             return self._grant(item, peer, now)
         route = self._route_to(peer)
         prepped = self._remote_prepped.get(a.dest)
         try:
-            if prepped is not None:
-                plan = plan_blocks(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
-                                   num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
-            else:
-                plan = plan_transfer(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
-                                     num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
+            plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
+                              num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
+                              prepped=prepped is not None)
         except PlanError as e:
             self._inflight.remove(item)
             return self._fail_write(a, "bad_registration", str(e), now)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
         try:
-            if prepped is not None:
+            if isinstance(plan, BlockPlan):
                 item.handle = self.transport.post_prepped("WRITE", prepped[0], plan.local_idx, prepped[1],
                                                           plan.remote_idx, notif)
             else:
@@ -223,11 +264,15 @@ class ProducerEndpoint(Endpoint):
         item.posted_at = t_post
         self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs)
         self.stats.writes_posted.inc()
-        if prepped is not None:
+        if isinstance(plan, BlockPlan):
             self.stats.writes_prepped.inc()
         self.stats.descs_posted.inc(plan.num_descs)
         self.stats.post_seconds.observe(self.clock() - t_post)
         return []
+
+    def _same_incarnation(self, a: StartWrite, peer: Peer) -> bool:
+        """Block ids in a registration name memory of the process that sent it, never of its successor."""
+        return self._reg_from.get((a.key, a.dest), peer.incarnation) == peer.incarnation
 
     def _grant(self, item: _InFlight, peer: Peer, now: float) -> list:
         """Pull mode: the KV is complete; let the consumer READ it.  Pinned until its ReadResult, or

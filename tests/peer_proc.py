@@ -30,6 +30,50 @@ from kvpush_common.producer import ProducerEndpoint  # noqa: E402
 from kvpush_common.rendezvous import Release  # noqa: E402
 
 
+def _unfix(names: str) -> None:
+    """Chaos tests only (KVPUSH_CHAOS_UNFIX=stall,incarnation,guard,rejoin): put back the behaviour from
+    before a core fix, to show that the chaos test catches its bug."""
+    from kvpush_common.endpoint import Endpoint
+
+    for name in filter(None, names.split(",")):
+        if name == "stall":  # heartbeats and registrations fetched after a stall were trusted
+            orig_on_msg = ProducerEndpoint._on_msg
+            ProducerEndpoint._on_msg = lambda self, peer, msg, now, stalled: orig_on_msg(self, peer, msg, now, False)
+        elif name == "incarnation":  # a registration's block ids were written into any incarnation
+            ProducerEndpoint._same_incarnation = lambda self, a, peer: True
+        elif name == "guard":  # one exception dropped the rest of the worker step
+            from kvpush_common.transport import TransportError
+            from kvpush_common.wire import WireError
+
+            def send(self, peer, msg):  # and only TransportError / WireError counted as a failed send
+                try:
+                    self.transport.send_notif(peer.agent, self.codec.encode(msg))
+                    return True
+                except (TransportError, WireError):
+                    return False
+
+            Endpoint._guard = lambda self, fn, *args: fn(*args) or []
+            Endpoint._send = send
+        elif name == "rejoin":  # a known producer was never handshaken again
+            class _Never(set):
+                def add(self, item):
+                    pass
+
+            orig_init, orig_register = ConsumerEndpoint.__init__, ConsumerEndpoint._register
+
+            def init(self, *a, **kw):
+                orig_init(self, *a, **kw)
+                self._suspect = _Never()
+
+            ConsumerEndpoint.__init__ = init
+            ConsumerEndpoint._register = lambda self, e, peer, now, retry=False: orig_register(self, e, peer, now, False)
+        else:
+            raise SystemExit(f"unknown KVPUSH_CHAOS_UNFIX {name!r}")
+
+
+_unfix(os.environ.get("KVPUSH_CHAOS_UNFIX", ""))
+
+
 def make_backend(spec: dict):
     """Device backends of the conformance suite; each offers slab_base, read_bytes and write_bytes."""
     kind = spec.pop("kind", "host")
@@ -149,6 +193,24 @@ class Peer:
         dirty = {b for b in range(layout.num_blocks)
                  for off, length in block_spans(layout, [b]) if (data[off:off + length] != poison).any()}
         return {"blocks": sorted(dirty)}
+
+    def op_logical_digest(self, blocks, num_tokens):
+        layout = self.backend.layout()
+        view = logical_view(self.backend.read_bytes(), layout, self.backend.slab_base, blocks, num_tokens)
+        return {"sha256": hashlib.sha256(view.tobytes()).hexdigest()}
+
+    def op_results(self):
+        with self.lock:
+            self._collect()
+            return {"results": list(self.results), "times": [[t, a, s] for (t, a), s in self.seen_at.items()]}
+
+    def op_state(self):
+        """What the endpoint still holds: live keys, in-flight transfers, peers (with incarnations)."""
+        ep = self.ep
+        live = len(ep.rendezvous) if hasattr(ep, "rendezvous") else len(ep.completion)
+        inflight = len(getattr(ep, "_inflight", ())) + len(getattr(ep, "_reads", ()))
+        peers = sorted([k[0], k[1], p.incarnation] for k, p in ep._peers.items())
+        return {"live": live, "inflight": inflight, "peers": peers, "outbox": len(ep._outbox)}
 
     def op_digest(self):
         return {"sha256": hashlib.sha256(self.backend.read_bytes().tobytes()).hexdigest()}

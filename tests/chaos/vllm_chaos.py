@@ -1,0 +1,122 @@
+"""A vLLM CPU pair (prefill P, decode D with kv_load_failure_policy=recompute) behind the kvpush
+router, with process-level faults: SIGSTOP/SIGCONT and SIGKILL + restart of the prefill.  Used by
+tests/chaos/test_chaos_vllm.py (short, CI) and scripts/chaos_load.py (minutes, scripts/chaos.sh)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import psutil
+
+from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, wait_healthy
+
+GEN = {"model": "tiny", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+# D's bound: transfer_timeout_s + fence_wait_s (reg_ttl_s + write_timeout_s + fence_grace_s 5) = 15 s
+TIMEOUTS = {"reg_ttl_s": 3, "write_timeout_s": 2, "heartbeat_s": 1, "lease_s": 10, "transfer_timeout_s": 5,
+            "handshake_timeout_s": 2}
+ENGINE_ID = "chaos-prefill"  # fixed, so that a restarted prefill keeps the identity the router learned
+
+
+def prompts() -> list[str]:
+    block = "def handler(request):\n    return request.json()\n"
+    return ["a", "import os", block * 3, block * 10, block * 22]
+
+
+class Pair:
+    def __init__(self, work, env: dict | None = None):
+        self.work = work
+        self.env = env or {}
+        self.model = make_model(work / "tiny", seed=0)
+        self.p_port, self.d_metrics = free_port_pair(), free_port_pair()
+        self.P = self._prefill()
+        self.D = VllmServer("D", self.model, role="kv_consumer", log_dir=work, core="1", env=self.env,
+                            failure_policy="recompute", extra={**TIMEOUTS, "metrics_port": self.d_metrics})
+        self.router = None
+        self.restarts = 0
+
+    def _prefill(self, port: int | None = None) -> VllmServer:
+        kv = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush_common.vllm.connector",
+              "kv_role": "kv_producer", "engine_id": ENGINE_ID,
+              "kv_connector_extra_config": {"port": self.p_port, **TIMEOUTS}}
+        return VllmServer("P" if not getattr(self, "restarts", 0) else f"P{self.restarts}", self.model, role=None,
+                          log_dir=self.work, core="0", env=self.env, kv_config=kv, port=port)
+
+    def start(self, timeout: float = 600) -> "Pair":
+        wait_healthy([self.P, self.D], timeout=timeout)
+        self.router = Router(mode="push", prefill=[self.P.url], decode=[self.D.url], log_dir=self.work,
+                             extra=["--retries", "1"])
+        wait_healthy([self.router], timeout=120)
+        return self
+
+    def stop(self) -> None:
+        for proc in (self.router, self.P, self.D):
+            if proc is not None:
+                if proc.alive():
+                    proc.kill(signal.SIGCONT)
+                proc.stop()
+
+    def identity(self) -> dict:
+        status, probe = post_json(self.P.url + "/v1/completions", {"model": "tiny", "prompt": "ping", "max_tokens": 1,
+                                                                  "kv_transfer_params": {"kvpush": "identity"}})
+        assert status == 200, probe
+        return probe["kv_transfer_params"]["kvpush_identity"]
+
+    def reference(self, prompt: str) -> str:
+        status, body = post_json(self.P.url + "/v1/completions", {**GEN, "prompt": prompt})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+
+    def pause_prefill(self) -> None:
+        self.P.kill(signal.SIGSTOP)
+
+    def resume_prefill(self) -> None:
+        self.P.kill(signal.SIGCONT)
+
+    def restart_prefill(self, timeout: float = 600) -> None:
+        """SIGKILL the prefill's process group and start it again on the same HTTP and side-channel ports."""
+        port = self.P.port
+        self.P.kill(signal.SIGKILL)
+        self.P.stop()
+        self.restarts += 1
+        self.P = self._prefill(port)
+        wait_healthy([self.P], timeout=timeout)
+
+    def d_metrics_now(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.d_metrics}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name = line.split("{")[0].split(" ")[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def rss_mib(proc) -> float:
+    """Resident memory of a server's whole process tree (API server, engine core, workers)."""
+    try:
+        root = psutil.Process(proc.proc.pid)
+        procs = [root] + root.children(recursive=True)
+        return sum(p.memory_info().rss for p in procs if p.is_running()) / (1 << 20)
+    except psutil.Error:
+        return float("nan")
+
+
+def complete(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict, float]:
+    t0 = time.monotonic()
+    status, body = post_json(url + "/v1/completions", {**GEN, "prompt": prompt}, timeout=timeout)
+    return status, body, time.monotonic() - t0
+
+
+def text_of(body: dict) -> str | None:
+    try:
+        return body["choices"][0]["text"]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def env_with_events(work) -> dict:
+    return {"KVPUSH_EVENT_DIR": str(work / "events"), **({"VLLM_LOGGING_LEVEL": "WARNING"}
+                                                         if not os.environ.get("KVPUSH_VERBOSE") else {})}

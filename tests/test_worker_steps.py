@@ -1,0 +1,81 @@
+"""A worker step never loses work to an unexpected exception: each unit (inbox item, notification,
+action) is guarded, and what the step already decided is still acted on."""
+
+from kvpush_common.config import EndpointConfig
+from kvpush_common.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.endpoint import Peer
+from kvpush_common.host_backend import HostBackend
+from kvpush_common.identity import TransferKey
+from kvpush_common.producer import ProducerEndpoint
+
+
+class Flaky:
+    """A transport whose send_notif and get_notifs raise unexpected errors on demand."""
+
+    def __init__(self):
+        self.fail_fetch = False
+        self.fail_send = False
+        self.sent = []
+
+    def get_notifs(self):
+        if self.fail_fetch:
+            raise RuntimeError("bug in fetch")
+        return {}
+
+    def send_notif(self, peer, msg):
+        if self.fail_send:
+            raise RuntimeError("bug in send")
+        self.sent.append(msg)
+
+    def remove_peer(self, name):
+        pass
+
+
+def backend():
+    return HostBackend(num_layers=1, num_heads=1, head_dim=4, block_size=4, num_blocks=8)
+
+
+def test_consumer_results_decided_before_an_exception_are_delivered():
+    ep = ConsumerEndpoint(EndpointConfig(engine_id="D", handshake_timeout_s=0.2), backend())
+    ep.transport = t = Flaky()
+    ep._peers[("P", 0)] = Peer("P", 0, 1, "P/r0", ep.layout)
+    ref = ProducerRef("P", "127.0.0.1", 1, 1)
+    t.fail_send = True  # the first registration's send raises something unexpected
+    ep.expect("a", 0, ref, [0], 4)
+    ep.expect("b", 0, ref, [1], 4)
+    ep.expect("bad", 0, ref, [2], 4, first_token=8)  # refused at once: Received(ok=False) in this step
+    t.fail_fetch = True  # and the fetch after the drain raises too
+    try:
+        ep._step()
+    except RuntimeError:
+        pass
+    # every inbox item was handled (none dropped with the step) ...
+    assert TransferKey("a", 0) in ep.completion and TransferKey("b", 0) in ep.completion
+    # ... and the result decided before the fetch raised reached the engine
+    assert [(r.key.transfer_id, r.ok) for r in ep.take_finished()] == [("bad", False)]
+    ep.close()
+
+
+def test_producer_start_write_that_raises_still_gets_a_result():
+    p = ProducerEndpoint(EndpointConfig(engine_id="P"), backend())
+    p.transport = t = Flaky()
+    d = backend()
+    p._peers[("D", 0)] = Peer("D", 0, 1, "D/r0", d.layout())
+
+    def boom(*a, **k):
+        raise RuntimeError("bug in planning")
+
+    p._post_if_fenced = boom
+    from kvpush_common.wire import Codec, Register
+
+    reg = Register(transfer_id="t", attempt=0, consumer_engine="D", consumer_rank=0, consumer_tp=1, block_ids=[0],
+                   first_token=0, num_tokens=4, ttl_ms=5000)
+    t.get_notifs = lambda: {"D/r0": [Codec().encode(reg)]}
+    p.kv_ready("t", 0, [1], 4)
+    p._step()
+    t.get_notifs = lambda: {}
+    p._step()
+    out = p.take_finished()
+    assert [r.outcome.value for r in out] == ["failed"]  # blocks released, not held for ever
+    assert any(b"post_failed" in m for m in t.sent)  # and the consumer is told
+    assert p.stats.worker_errors._value.get() == 1
