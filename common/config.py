@@ -31,6 +31,13 @@ class EndpointConfig:
     fence_grace_s: float = 5.0  # allowance for a control message still in flight
     prepped_lists: bool = True  # same block geometry on both sides: post from per-peer prepped lists
     peer_idle_s: float = 600.0  # forget a peer silent this long with no live work (a restart under a new id)
+    # staged transfers (push, whole-block routes): a registered pool of this many bytes, 0 = off
+    staging_bytes: int = 0
+    staging_chunk_bytes: int = 64 << 20  # one gather / WRITE / scatter unit
+    # stage when the direct plan would post at least this many descriptors: on H200/NVLink a direct WRITE
+    # pays ~4 us per non-contiguous descriptor and staging ~1.2 ms at 512 MiB (h200-fragmentation.md)
+    staging_min_descs: int = 320
+    staging_partitions: int = 4  # a consumer lends each producer rank 1/N of its pool (N producer ranks at most)
     poll_s: float = 0.001  # worker poll period while work is outstanding
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
 

@@ -11,8 +11,11 @@ thread plans and posts the READ (its ReadResult rides on it to the producer) and
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import numpy as np
 
 from .completion import Completion, Received, SendRevoke
 from .endpoint import Endpoint, Peer, incarnation_of
@@ -20,10 +23,11 @@ from .handshake import HandshakeError, request_hello
 from .identity import TransferKey
 from .blockplan import plan_write
 from .planner import PlanError
+from .staging import unit_bytes
 from .topology import producers_for, routes
 from .transport import TransportError
-from .wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, ReadGrant, ReadResult, Register, Revoke,
-                   RevokeAck, WriteDone, WriteFailed)
+from .wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant, ReadResult,
+                   Register, Revoke, RevokeAck, SlotFree, Staging, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,9 @@ class ConsumerEndpoint(Endpoint):
         self._reads: list[_Read] = []
         self._suspect: set[tuple[str, int]] = set()  # producer ranks to handshake again before the next use
         self._addr: dict[tuple[str, int], tuple[str, int]] = {}  # producer rank -> side channel it answered on
+        self._partitions: dict[tuple[str, int], int] = {}  # producer rank -> staging partition lent to it
+        self._partition_lock = threading.Lock()  # handshakes run on pool threads
+        self._chunks: dict[tuple[TransferKey, tuple[str, int]], int] = {}  # staged chunks scattered so far
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
@@ -89,7 +96,7 @@ class ConsumerEndpoint(Endpoint):
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck, ReadGrant)):
+        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck, ReadGrant, ChunkWritten)):
             return (msg.producer_engine, msg.producer_rank)
         return None
 
@@ -135,7 +142,54 @@ class ConsumerEndpoint(Endpoint):
             return self.completion.on_revoke_ack(key, prod, now)
         if isinstance(msg, ReadGrant):
             return self._on_grant(peer, msg, now)
+        if isinstance(msg, ChunkWritten):
+            return self._on_chunk(peer, key, prod, msg, now)
         return []
+
+    # ---- staged pushes ---------------------------------------------------------------------------
+    def _lend_partition(self, prod: tuple[str, int]) -> Staging | None:
+        """Pool thread: the part of our staging pool this producer rank may WRITE chunks into."""
+        if self.staging is None:
+            return None
+        per_part = self.staging.size // self.cfg.staging_partitions
+        with self._partition_lock:
+            idx = self._partitions.get(prod)
+            if idx is None:
+                if len(self._partitions) >= self.cfg.staging_partitions or per_part == 0:
+                    return None  # direct transfers only for this producer rank
+                idx = self._partitions[prod] = len(self._partitions)
+        part = per_part * self.staging.chunk_bytes
+        return Staging(self.staging.addr + idx * part, part, self.staging.device_id, self.staging.chunk_bytes)
+
+    def _on_chunk(self, peer: Peer, key: TransferKey, prod, msg: ChunkWritten, now: float) -> list:
+        """A chunk landed in a slot we lent: scatter it if the key still wants it, then free the slot."""
+        part = self._partitions.get(prod)
+        unit = len(self.layout.regions) * unit_bytes(self.layout)
+        slots = (self.staging.size // self.cfg.staging_partitions) if self.staging is not None else 0
+        if part is None or msg.slot >= slots or msg.count * unit > self.staging.chunk_bytes:
+            self.stats.rejected_msgs.labels(reason="bad_chunk").inc()
+            log.warning("dropped ChunkWritten from %s: slot %d / %d blocks outside what we lent", peer.agent,
+                        msg.slot, msg.count)
+            return []
+        out: list = []
+        e = self._expects.get(key)
+        if e is not None and self.completion.wants_registration(key):
+            if msg.first + msg.count > len(e.block_ids):
+                out = self.completion.on_failed(key, prod, "staged chunk beyond the registered blocks", now)
+            else:
+                addr = self.staging.addr + (part * slots + msg.slot) * self.staging.chunk_bytes
+                try:
+                    self.backend.scatter(np.asarray(e.block_ids[msg.first:msg.first + msg.count]), addr)
+                except Exception as err:  # the blocks may be half written: the key fails, nothing is usable
+                    out = self.completion.on_failed(key, prod, f"scatter failed: {err}", now)
+                else:
+                    n = self._chunks.get((key, prod), 0) + 1
+                    self._chunks[(key, prod)] = n
+                    if n == msg.chunks:
+                        del self._chunks[(key, prod)]
+                        out = self.completion.on_done(key, prod, now)
+        self._send(peer, SlotFree(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, slot=msg.slot))
+        return out
 
     def _act(self, out: list) -> None:
         for a in out:
@@ -144,6 +198,8 @@ class ConsumerEndpoint(Endpoint):
     def _act_one(self, a) -> None:
         if isinstance(a, Received):
             e = self._expects.pop(a.key, None)
+            for k in [k for k in self._chunks if k[0] == a.key]:
+                del self._chunks[k]
             started = self._expected_at.pop(a.key, None)
             if started is not None and a.ok:
                 self.stats.recv_wait_seconds.observe(self.clock() - started)
@@ -200,7 +256,8 @@ class ConsumerEndpoint(Endpoint):
         """Pool thread: ZMQ only; the result goes back to the worker through the inbox."""
         prod = (ref.engine_id, rank)
         try:
-            hello = request_hello(ref.host, ref.base_port + rank, self.local_hello(), self.cfg.secret,
+            hello = request_hello(ref.host, ref.base_port + rank, self.local_hello(self._lend_partition(prod)),
+                                  self.cfg.secret,
                                   self.cfg.handshake_timeout_s)
             reason = self.check_peer_hello(hello, "producer")
             if reason is None and (hello.engine_id, hello.rank, hello.tp_size) != (ref.engine_id, rank, ref.tp_size):

@@ -23,7 +23,9 @@ from .layout import KVLayout
 from .metrics import EndpointStats
 from .topology import local_heads
 from .transport import NixlTransport, Transport, TransportError
-from .wire import Codec, Hello, Message, WireError, compat_hash
+from .planner import PlanError
+from .staging import SlotPool, blocks_per_chunk, plane_grid
+from .wire import Codec, Hello, Staging, Message, WireError, compat_hash
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class Peer:
     layout: KVLayout
     write_timeout_s: float = 30.0  # the peer's bound on one transfer (Hello.write_timeout_ms)
     incarnation: str = ""  # digest of the peer's NIXL agent metadata: a restarted process has a new one
+    staging: Staging | None = None  # the peer's staging offer (a consumer's: where we may WRITE chunks)
 
 
 TransportFactory = Callable[[EndpointConfig, bool], Transport]
@@ -69,6 +72,7 @@ class Endpoint:
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self._agent_md = b""
+        self.staging: SlotPool | None = None  # our staging pool (push with staging_bytes > 0)
         self._peers: dict[tuple[str, int], Peer] = {}
         self._last_seen: dict[tuple[str, int], float] = {}  # peer -> last message from it (or to it)
         self._next_evict = 0.0
@@ -101,6 +105,24 @@ class Endpoint:
     def _after_start(self) -> None:
         pass
 
+    def _make_staging(self) -> SlotPool | None:
+        """Worker thread, at start: allocate and register the staging pool if configured and possible."""
+        if not self.cfg.staging_bytes or self.cfg.mode != "push":
+            return None
+        try:
+            plane_grid(self.layout)
+            blocks_per_chunk(self.layout, self.cfg.staging_chunk_bytes)
+        except PlanError as e:
+            log.warning("staged transfers off: %s", e)
+            return None
+        got = self.backend.staging_buffer(self.cfg.staging_bytes)
+        if got is None:
+            log.warning("staged transfers off: the %s backend has no staging buffers", self.backend.name)
+            return None
+        addr, regs = got
+        self.transport.register(regs, self.layout.mem_type)
+        return SlotPool(addr, self.cfg.staging_bytes, self.cfg.staging_chunk_bytes, int(regs[0][2]))
+
     def _before_close(self) -> None:
         pass
 
@@ -110,6 +132,7 @@ class Endpoint:
             progress = self.cfg.transport.progress_thread_for(self.role, self.cfg.mode)
             self.transport = self._transport_factory(self.cfg, progress)
             self.transport.register(self.backend.registration_regions(), self.layout.mem_type)
+            self.staging = self._make_staging()
             self._agent_md = self.transport.metadata()
         except BaseException as e:  # reported to start()'s caller
             self._start_error = e
@@ -154,11 +177,11 @@ class Endpoint:
             except queue.Empty:
                 return items
 
-    def local_hello(self) -> Hello:
+    def local_hello(self, staging: Staging | None = None) -> Hello:
         return Hello(engine_id=self.cfg.engine_id, role=self.role, rank=self.cfg.rank, tp_size=self.cfg.tp_size,
                      mode=self.cfg.mode, compat_hash=self.compat, total_kv_heads=self.cfg.total_kv_heads,
                      agent_name=self.cfg.agent_name, agent_metadata=self._agent_md, layout=self.layout,
-                     write_timeout_ms=int(self.cfg.write_timeout_s * 1000))
+                     write_timeout_ms=int(self.cfg.write_timeout_s * 1000), staging=staging)
 
     def check_peer_hello(self, hello: Hello, want_role: str) -> str | None:
         """Reason to refuse a peer, or None."""
@@ -190,7 +213,7 @@ class Endpoint:
         if agent != hello.agent_name:
             raise TransportError(f"peer agent metadata names {agent!r}, Hello claims {hello.agent_name!r}")
         peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout, hello.write_timeout_ms / 1000.0,
-                    incarnation_of(hello))
+                    incarnation_of(hello), hello.staging)
         self._peers[(hello.engine_id, hello.rank)] = peer
         self._last_seen[(hello.engine_id, hello.rank)] = self.clock()
         return peer

@@ -14,20 +14,25 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .blockplan import BlockPlan, block_granular, plan_write, unit_table
+import numpy as np
+
+from .blockplan import BlockPlan, block_granular, block_runs, plan_write, unit_table
 from .endpoint import Endpoint, Peer
 from .handshake import HandshakeServer
 from .identity import TransferKey
 from .planner import PlanError, plan_transfer
+from .staging import SlotPool, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
 from .rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
 from .topology import routes_from
 from .transport import TransportError
-from .wire import Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, WriteDone, WriteFailed
+from .wire import (ChunkWritten, Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
+                   WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
 
 GRANTED = "granted"  # handle of a pull-mode item: the consumer is reading
+STAGED = "staged"  # handle of a staged push: its chunk WRITEs are in `staged.inflight`
 
 
 @dataclass
@@ -40,6 +45,7 @@ class _InFlight:
     handle: object = None  # None while waiting for the device fence
     start: StartWrite | None = None
     timed_out: bool = False
+    staged: StagedWrite | None = None
 
 
 class ProducerEndpoint(Endpoint):
@@ -54,6 +60,7 @@ class ProducerEndpoint(Endpoint):
         self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
         self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
         self._ready_at: dict[TransferKey, float] = {}
+        self._peer_slots: dict[Dest, SlotPool] = {}  # staging slots each consumer rank lent us
         self._reg_from: dict[tuple[TransferKey, Dest], str] = {}  # registration -> incarnation that sent it
         self._last_fetch: float | None = None
         self._next_prune = 0.0
@@ -96,6 +103,13 @@ class ProducerEndpoint(Endpoint):
         self._enqueue(("peer", hello))
         return None
 
+    def local_hello(self, staging: Staging | None = None) -> Hello:
+        """Our Hello says whether we can gather into staging (its address means nothing to the peer)."""
+        if staging is None and self.staging is not None:
+            staging = Staging(0, self.staging.size * self.staging.chunk_bytes, self.staging.device_id,
+                              self.staging.chunk_bytes)
+        return super().local_hello(staging)
+
     def _routes(self, consumer_tp: int):
         return routes_from(self.cfg.total_kv_heads, self.cfg.tp_size, consumer_tp, self.cfg.rank)
 
@@ -104,7 +118,7 @@ class ProducerEndpoint(Endpoint):
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (Register, Revoke, Heartbeat, ReadResult)):
+        if isinstance(msg, (Register, Revoke, Heartbeat, ReadResult, SlotFree)):
             return (msg.consumer_engine, msg.consumer_rank)
         return None
 
@@ -154,7 +168,7 @@ class ProducerEndpoint(Endpoint):
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float, stalled: bool) -> list:
-        key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, Heartbeat) else None
+        key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, (Heartbeat, SlotFree)) else None
         dest = (peer.engine_id, peer.rank)
         if isinstance(msg, Register):
             if msg.consumer_tp != peer.tp_size:
@@ -168,6 +182,16 @@ class ProducerEndpoint(Endpoint):
             return self.rendezvous.on_revoke(key, dest, now)
         if isinstance(msg, ReadResult):
             return self._on_read_result(key, dest, msg, now)
+        if isinstance(msg, SlotFree):
+            slots = self._peer_slots.get(dest)
+            try:
+                if slots is None:
+                    raise ValueError("no staging slots lent by this consumer rank")
+                slots.give(msg.slot)
+            except ValueError as e:
+                self.stats.rejected_msgs.labels(reason="bad_slot").inc()
+                log.warning("ignored SlotFree from %s: %s", peer.agent, e)
+            return []
         if isinstance(msg, Heartbeat) and not stalled:
             self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
                                          peer.engine_id)
@@ -241,6 +265,14 @@ class ProducerEndpoint(Endpoint):
         if self.cfg.mode == "pull":
             return self._grant(item, peer, now)
         route = self._route_to(peer)
+        staged = self._staged_plan(a, peer, route)
+        if staged is not None:
+            item.staged, item.handle, item.posted_at = staged, STAGED, t_post
+            item.nbytes = staged.src_blocks.size * staged.nbytes_per_block
+            self.event("posted", a.key, consumer_rank=peer.rank, nbytes=item.nbytes, descs=staged.chunks, staged=True)
+            self.stats.writes_posted.inc()
+            self.stats.writes_staged.inc()
+            return self._advance_staged(item, now)
         prepped = self._remote_prepped.get(a.dest)
         try:
             plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
@@ -310,6 +342,10 @@ class ProducerEndpoint(Endpoint):
     def _prepare_peer(self, peer: Peer) -> None:
         """Prep per-block descriptor lists for this consumer rank once, if the geometry allows it."""
         dest = (peer.engine_id, peer.rank)
+        self._peer_slots.pop(dest, None)  # a restarted consumer lends new slots (in-flight chunks keep theirs)
+        if self.staging is not None and peer.staging is not None and peer.staging.nbytes >= peer.staging.chunk_bytes:
+            self._peer_slots[dest] = SlotPool(peer.staging.addr, peer.staging.nbytes, peer.staging.chunk_bytes,
+                                              peer.staging.device_id)
         old = self._remote_prepped.pop(dest, None)
         if old is not None:  # the consumer rank restarted: its memory and agent are new
             try:
@@ -329,6 +365,92 @@ class ProducerEndpoint(Endpoint):
         except TransportError as e:
             log.warning("prepped lists for %s unavailable, using per-request lists: %s", peer.agent, e)
 
+    # ---- staged pushes -------------------------------------------------------------------------------
+    def _staged_plan(self, a: StartWrite, peer: Peer, route) -> StagedWrite | None:
+        """A staged push when both sides offered staging, the route moves whole blocks, and the direct
+        plan would post at least staging_min_descs descriptors; else None (direct)."""
+        slots = self._peer_slots.get(a.dest)
+        if slots is None or self.staging is None or not whole_block_units(self.layout, peer.layout, route):
+            return None
+        if not (slots.free and self.staging.free):  # pool exhausted: do not queue behind it, go direct
+            self.stats.staging_exhausted.inc()
+            return None
+        try:
+            s, d = staged_pairs(self.layout, peer.layout, a.ready.block_ids, a.reg.block_ids,
+                                num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
+            order = np.argsort(s, kind="stable")
+            if len(self.layout.regions) * block_runs(s[order], d[order])[0].size < self.cfg.staging_min_descs:
+                return None
+            per_chunk = blocks_per_chunk(self.layout, min(self.staging.chunk_bytes, slots.chunk_bytes))
+        except PlanError:
+            return None  # the direct path reports the same error
+        return StagedWrite(s, per_chunk, len(self.layout.regions) * unit_bytes(self.layout))
+
+    def _advance_staged(self, item: _InFlight, now: float) -> list:
+        """Poll the chunk WRITEs, gather and post the next chunks while slots are free, finish or fail."""
+        st, peer, slots = item.staged, self._peers.get(item.dest), self._peer_slots.get(item.dest)
+        for entry in list(st.inflight):
+            handle, local, remote, pool = entry
+            try:
+                state = self.transport.state(handle)
+            except TransportError:
+                state = "ERR"
+            if state == "PROC" and now < item.deadline:
+                continue
+            if not self.transport.release(handle) and state != "DONE":
+                continue  # still in flight, not cancellable yet
+            st.inflight.remove(entry)
+            self.staging.give(local)
+            if state == "DONE":
+                st.done_chunks += 1
+            else:  # never landed: the consumer will not free this slot, so it comes back here
+                pool.give(remote)
+                st.failed = st.failed or ("chunk WRITE ended in ERR" if state == "ERR" else "chunk WRITE timed out")
+        if now >= item.deadline:
+            st.failed = st.failed or "staged transfer timed out"
+        if peer is None or slots is None:
+            st.failed = st.failed or "consumer rank gone"
+        while not st.failed and st.next_chunk < st.chunks:
+            local = self.staging.take()
+            remote = slots.take() if local is not None else None
+            if remote is None:  # back-pressure: wait for our WRITEs or the consumer's SlotFree
+                if local is not None:
+                    self.staging.give(local)
+                break
+            first, count = st.span(st.next_chunk)
+            nbytes = count * st.nbytes_per_block
+            try:
+                self.backend.gather(st.src_blocks[first:first + count], self.staging.slot_addr(local))
+                notif = self.codec.encode(ChunkWritten(
+                    transfer_id=item.key.transfer_id, attempt=item.key.attempt, producer_engine=self.cfg.engine_id,
+                    producer_rank=self.cfg.rank, chunk=st.next_chunk, chunks=st.chunks, slot=remote, first=first,
+                    count=count))
+                handle = self.transport.post(
+                    "WRITE", peer.agent, np.array([[self.staging.slot_addr(local), nbytes, self.staging.device_id]], np.uint64),
+                    np.array([[slots.slot_addr(remote), nbytes, slots.device_id]], np.uint64),
+                    self.layout.mem_type, peer.layout.mem_type, notif)
+            except Exception as e:  # gather or post failed: nothing of this chunk was sent
+                self.staging.give(local)
+                slots.give(remote)
+                st.failed = f"chunk {st.next_chunk} not posted: {e}"
+                break
+            st.inflight.append((handle, local, remote, slots))
+            st.next_chunk += 1
+        if st.inflight:
+            return []
+        if st.failed:
+            self._inflight.remove(item)
+            self.event("write_failed", item.key, state="staged")
+            return self._fail_write(item.start, "write_error", st.failed, now)
+        if st.done_chunks == st.chunks:
+            self._inflight.remove(item)
+            self.event("write_done", item.key, state="DONE", staged=True)
+            self.stats.writes_done.inc()
+            self.stats.bytes_written.inc(item.nbytes)
+            self.stats.xfer_seconds.observe(now - item.posted_at)
+            return self.rendezvous.on_write_result(item.key, item.dest, True, now)
+        return []
+
     def _done_msg(self, key: TransferKey, nbytes: int, ndescs: int) -> WriteDone:
         return WriteDone(transfer_id=key.transfer_id, attempt=key.attempt, producer_engine=self.cfg.engine_id,
                          producer_rank=self.cfg.rank, nbytes=nbytes, num_descs=ndescs)
@@ -337,6 +459,9 @@ class ProducerEndpoint(Endpoint):
         now = self.clock()
         actions = []
         for item in list(self._inflight):
+            if item.staged is not None:
+                actions += self._advance_staged(item, now)
+                continue
             if item.handle is GRANTED:
                 if now >= item.deadline:  # the consumer's READ bound has passed: unpin
                     self._inflight.remove(item)

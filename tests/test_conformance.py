@@ -518,3 +518,106 @@ def test_push_and_pull_peers_refuse_each_other(cluster):
     cl.expect("mix", 0, [1], 10)
     res = wait(cl.consumers[0], 1, seconds=15)[0]
     assert res["ok"] is False and "mode mismatch" in res["reason"]
+
+
+# ---- staged transfers (gather -> one WRITE per chunk -> scatter) -------------------------------------------
+# A block of GEO with 2 heads is 4 regions x 512 B: a 4 KiB chunk holds 2 blocks, and 8 chunks of pool
+# split over 4 producer ranks leave 2 slots per rank, so longer requests need slot reuse (back-pressure).
+STAGED = dict(staging_bytes=8 * 4096, staging_chunk_bytes=4096, staging_min_descs=1)
+STAGES = ("host", "cuda")  # backends with gather/scatter; the others fall back to direct WRITEs
+
+
+def _staged_count(cl) -> float:
+    return cl.producers[0].call("stats")["counters"].get("kvpush_writes_staged_total", 0.0)
+
+
+@pytest.mark.parametrize("arrangement", ["shuffled", "consecutive"])
+@pytest.mark.parametrize("staging", ["on", "off"])
+def test_staged_and_direct_pushes_give_identical_bytes(cluster, staging, arrangement):
+    cfg = STAGED if staging == "on" else {}
+    cl = cluster.start(p_cfg=cfg, d_cfg=cfg)
+    n = 16 * 7 - 5  # 7 blocks, the last partly filled: 4 chunks, the last one block
+    p_blocks, d_blocks = ([30, 2, 17, 9, 4, 25, 11], [5, 28, 13, 0, 21, 8, 19]) if arrangement == "shuffled" \
+        else (list(range(3, 10)), list(range(12, 19)))
+    cl.expect("st", 0, d_blocks, n)
+    cl.ready("st", 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1) == [{"tid": "st", "attempt": 0, "ok": True, "reason": ""}]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert set(dirty(cl.consumers[0])) == set(d_blocks)
+    assert _staged_count(cl) == (1 if staging == "on" and cluster.kind in STAGES else 0)
+
+
+def test_staged_push_with_a_prefix_hit_and_tp_split(cluster):
+    """Two consumer ranks (one head each: whole-block units on both sides only when heads match, so
+    staging needs the producer at TP 2 as well) and a consumer that already holds the first block."""
+    cl = cluster.start(p_tp=2, d_tp=2, p_cfg=STAGED, d_cfg=STAGED)
+    p_blocks, d_blocks, n = [6, 1, 14, 3, 20], [9, 2, 30, 7], 70
+    cl.expect("pfx", 0, d_blocks, n, first_token=16)
+    cl.ready("pfx", 0, p_blocks, n)
+    assert [r["ok"] for d in cl.consumers for r in wait(d, 1)] == [True, True]
+    assert_copied(cl, p_blocks, d_blocks, n, first_token=16)
+    assert _staged_count(cl) == (1 if cluster.kind in STAGES else 0)
+
+
+def test_many_staged_pushes_share_two_slots(cluster):
+    """Six 4-chunk requests at once through 2 lent slots: SlotFree back-pressure, all bytes right."""
+    cl = cluster.start(p_cfg=STAGED, d_cfg=STAGED, num_blocks=64)
+    rng = np.random.default_rng(7)
+    p_perm, d_perm = rng.permutation(64), rng.permutation(64)
+    jobs = [(f"m{i}", [int(b) for b in p_perm[8 * i:8 * i + 8]], [int(b) for b in d_perm[8 * i:8 * i + 8]])
+            for i in range(6)]
+    for tid, pb, db in jobs:
+        cl.expect(tid, 0, db, 8 * 16)
+    for tid, pb, db in jobs:
+        cl.ready(tid, 0, pb, 8 * 16)
+    got = wait(cl.consumers[0], 6, seconds=40)
+    assert sorted(r["tid"] for r in got if r["ok"]) == sorted(j[0] for j in jobs)
+    for tid, pb, db in jobs:
+        assert_copied(cl, pb, db, 8 * 16)
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_staging_on_one_side_only_falls_back_to_direct(cluster, side):
+    cl = cluster.start(p_cfg=STAGED if side == "producer" else {}, d_cfg=STAGED if side == "consumer" else {})
+    p_blocks, d_blocks, n = [3, 9, 1], [7, 2, 11], 40
+    cl.expect("fb", 0, d_blocks, n)
+    cl.ready("fb", 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert _staged_count(cl) == 0
+
+
+def test_failed_chunk_write_fails_the_request_and_scatters_nothing(cluster):
+    """Every chunk WRITE ends in ERR: WriteFailed, the consumer's blocks are never written."""
+    cl = cluster.start(p_cfg=STAGED, d_cfg=STAGED, p_faults=dict(err_xfer=1.0))
+    cl.expect("cf", 0, [4, 5, 6], 48)
+    cl.ready("cf", 0, [1, 2, 3], 48)
+    res = wait(cl.consumers[0], 1)[0]
+    assert res["ok"] is False
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"
+    assert dirty(cl.consumers[0]) == []
+    # the slots came back: the next request (no faults on the consumer side) still completes
+    # only where the producer's faults stop; here every post errs, so check the producer is still serving
+    cl.expect("cf2", 0, [8, 9], 20)
+    cl.ready("cf2", 0, [7, 8], 20)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is False
+
+
+def test_exhausted_staging_pool_falls_back_to_direct(cluster):
+    """While one staged push holds both lent slots (its WRITEs held 1 s), the next push goes direct.
+    (Backends without staging buffers send both direct.)"""
+    cl = cluster.start(p_cfg=STAGED, d_cfg=STAGED, p_faults=dict(post_delay_s=1.0))
+    cl.expect("a", 0, [10, 11, 12, 13, 14, 15, 16, 17], 128)
+    cl.expect("b", 0, [20, 21], 32)
+    cl.ready("a", 0, [1, 5, 9, 13, 17, 21, 25, 29], 128)
+    time.sleep(0.3)
+    cl.ready("b", 0, [3, 7], 32)
+    got = wait(cl.consumers[0], 2, seconds=30)
+    assert sorted((r["tid"], r["ok"]) for r in got) == [("a", True), ("b", True)]
+    assert_copied(cl, [1, 5, 9, 13, 17, 21, 25, 29], [10, 11, 12, 13, 14, 15, 16, 17], 128)
+    assert_copied(cl, [3, 7], [20, 21], 32)
+    counters = cl.producers[0].call("stats")["counters"]
+    staged = cluster.kind in STAGES
+    assert counters["kvpush_writes_staged_total"] == (1 if staged else 0)
+    assert (counters["kvpush_staging_exhausted_total"] >= 1) == staged

@@ -78,7 +78,8 @@ class Pair:
     def __init__(self, mode: str, args, block_size: int, event_dir: Path):
         ctx = mp.get_context("spawn")
         base = dict(mode=mode, block_size=block_size, poll_s=args.poll_ms / 1e3, event_dir=str(event_dir),
-                    geometry=args.geometry, cpu_time_scale=args.cpu_time_scale, verify=args.verify)
+                    geometry=args.geometry, cpu_time_scale=args.cpu_time_scale, verify=args.verify,
+                    staging_mib=args.staging_mib if mode == "push-staged" else 0)
         bb = block_bytes(args.geometry, block_size)
         nblocks = int(args.pool_gib * (1 << 30) // bb)
         self.mode = mode
@@ -115,7 +116,7 @@ def run_requests(pair: Pair, reqs: list[dict], out_tokens: int, timeout: float) 
         while pending and pending[0]["t_arrival"] <= now:
             r = pending.pop(0)
             pair.p.send(op="prefill", tid=r["tid"], seq=r["seq"], tokens=r["tokens"])
-            if pair.mode == "push":
+            if pair.mode.startswith("push"):
                 recs[r["tid"]]["t_dispatch_decode"] = time.time()
                 pair.d.send(op="decode", tid=r["tid"], seq=r["seq"], tokens=r["tokens"], out_tokens=out_tokens)
         wait_s = min(0.05, max(0.0, pending[0]["t_arrival"] - time.time())) if pending else 0.05
@@ -125,7 +126,7 @@ def run_requests(pair: Pair, reqs: list[dict], out_tokens: int, timeout: float) 
                 rec = recs[m["tid"]]
                 if m["ev"] == "prefilled":
                     rec.update(t_prefill_start=m["t_prefill_start"], t_prefill_done=m["t_prefill_done"])
-                    if pair.mode != "push":  # the router relays the finished prefill to the decode
+                    if not pair.mode.startswith("push"):  # the router relays the finished prefill to the decode
                         rec["t_dispatch_decode"] = time.time()
                         pair.d.send(op="decode", tid=m["tid"], seq=rec["seq"], tokens=rec["tokens"],
                                     out_tokens=out_tokens, remote_blocks=m["blocks"])
@@ -343,6 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", default="sample", choices=("sample", "all", ""),
                     help="check the decode blocks hold the prefill's bytes (sample: every 31st plane)")
     ap.add_argument("--point-timeout", type=float, default=300.0)
+    ap.add_argument("--staging-mib", type=int, default=0,
+                    help="mode push-staged: staged transfers through a pool of this many MiB per side")
     ap.add_argument("--cpu", action="store_true", help="DRAM slabs and sleeping steps (smoke run, no GPU)")
     ap.add_argument("--cpu-time-scale", type=float, default=1.0)
     ap.add_argument("--geometry", default="{}", help="JSON overrides of the per-rank KV geometry")

@@ -55,7 +55,7 @@ def _setup(opts: dict):
 
 def prefill_main(conn, opts: dict) -> None:
     work, slab, cost = _setup(opts)
-    side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"])
+    side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], opts.get("staging_mib", 0))
     pool = BlockPool(slab.num_blocks)
     send(conn, ev="hello", unit_ms=work.unit_ms, **side.hello())
     waiting: collections.deque = collections.deque()
@@ -110,7 +110,7 @@ def decode_main(conn, opts: dict) -> None:
     work, slab, cost = _setup(opts)
     send(conn, ev="alive", unit_ms=work.unit_ms)
     hello = next(m for m in _wait(conn) if m["op"] == "hello")
-    side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello)
+    side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello, opts.get("staging_mib", 0))
     pool = BlockPool(slab.num_blocks)
     send(conn, ev="ready")
     arrived: collections.deque = collections.deque()

@@ -24,17 +24,19 @@ from kvpush_common.consumer import ConsumerEndpoint, ProducerRef
 from kvpush_common.producer import ProducerEndpoint
 from kvpush_common.transport import NixlTransport, TransportConfig
 
-MODES = ("push", "kvpush-pull", "vllm-pull")
+MODES = ("push", "kvpush-pull", "vllm-pull")  # and "push-staged": push with staged transfers (--staging-mib)
 
 
-def endpoint_config(engine_id: str, mode: str, poll_s: float) -> EndpointConfig:
-    return EndpointConfig(engine_id=engine_id, mode="push" if mode == "push" else "pull", model="qwen3-32b-bench",
-                          poll_s=poll_s, write_timeout_s=60.0, transfer_timeout_s=300.0)
+def endpoint_config(engine_id: str, mode: str, poll_s: float, staging_mib: int = 0) -> EndpointConfig:
+    staging = dict(staging_bytes=staging_mib << 20, staging_chunk_bytes=min(staging_mib, 128) << 20,
+                   staging_partitions=1) if staging_mib else {}
+    return EndpointConfig(engine_id=engine_id, mode="push" if mode.startswith("push") else "pull", model="qwen3-32b-bench",
+                          poll_s=poll_s, write_timeout_s=60.0, transfer_timeout_s=300.0, **staging)
 
 
 class KvpushPrefill:
-    def __init__(self, slab, mode: str, poll_s: float):
-        self.ep = ProducerEndpoint(endpoint_config("P", mode, poll_s), slab.backend).start()
+    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0):
+        self.ep = ProducerEndpoint(endpoint_config("P", mode, poll_s, staging_mib), slab.backend).start()
 
     def hello(self) -> dict:
         host, port = self.ep.address
@@ -51,8 +53,8 @@ class KvpushPrefill:
 
 
 class KvpushDecode:
-    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict):
-        self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s), slab.backend).start()
+    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0):
+        self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s, staging_mib), slab.backend).start()
         self.ref = ProducerRef("P", prefill_hello["host"], prefill_hello["port"], 1)
 
     def start(self, tid: str, blocks: list[int], tokens: int, remote_blocks=None) -> None:
@@ -68,7 +70,7 @@ class KvpushDecode:
 class VllmPullPrefill:
     """Source side of vLLM-style pull: blocks stay held until the decode's request-id notification."""
 
-    def __init__(self, slab, mode: str, poll_s: float):
+    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0):
         slab.backend.bind_thread()
         self.layout = slab.backend.layout()
         self.nixl = NixlTransport("P-vllm", TransportConfig(), progress_thread=False)
@@ -90,7 +92,7 @@ class VllmPullPrefill:
 
 
 class VllmPullDecode:
-    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict):
+    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0):
         import msgspec
 
         from kvpush_common.layout import KVLayout

@@ -1,0 +1,125 @@
+"""Fragmented vs contiguous pushes on GPUs, direct vs staged, side by side in one run (issue 7).
+
+A producer rank and a consumer rank (kvpush endpoints in two processes, CudaSlab KV in VRAM, GPU 0 ->
+GPU 1), a Qwen3-32B TP=8 rank (64 layers, K/V planes: 128 regions, 1 KV head of dim 128, bf16).
+Block sizes 16, 64, 256 make per-region descriptors of 4, 16 and 64 KiB.  For 16k-token (512 MiB)
+and 32k-token (1 GiB) requests, blocks consecutive or shuffled on both sides, each once direct (one
+NIXL WRITE of the merged descriptors) and once staged (gather -> chunk WRITEs -> scatter).  Reported
+per row: handoff (producer KV ready -> consumer KV usable, from the endpoints' event logs) and a raw
+peer copy of the same bytes; `summary.fragmented_over_contiguous_max` is the worst ratio, over block
+sizes and sizes, of the staged shuffled handoff to the direct consecutive handoff.
+
+    python3 scripts/bench/fragmentation.py --out h200-fragmentation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_handoff import raw_copy_ms  # noqa: E402
+from procs import PeerProcess  # noqa: E402
+
+from kvpush_common.events import read_events  # noqa: E402
+
+GEO = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2)
+
+
+def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool) -> list[dict]:
+    nblocks = 2 * max(tokens) // block + 8
+    events = Path(tempfile.mkdtemp(prefix="kvpush-frag-"))
+    env = {"KVPUSH_EVENT_DIR": str(events)}
+    cfg = dict(staging_bytes=1 << 30, staging_chunk_bytes=chunk_mib << 20, staging_min_descs=1,
+               staging_partitions=1, poll_s=0.0002) if staged else dict(poll_s=0.0002)
+    p, d = PeerProcess("P", env), PeerProcess("D", env)
+    out = []
+    try:
+        port = p.call("start", role="producer", cfg=dict(engine_id="P", total_kv_heads=1, **cfg),
+                      backend=dict(kind="cuda", num_blocks=nblocks, device=0, block_size=block, **GEO))["port"]
+        d.call("start", role="consumer", cfg=dict(engine_id="D", total_kv_heads=1, **cfg),
+               backend=dict(kind="cuda", num_blocks=nblocks, device=1 if two else 0, block_size=block, **GEO))
+        ref = dict(engine_id="P", host="127.0.0.1", base_port=port, tp_size=1)
+        rng = np.random.default_rng(block)
+        n = 0
+        for ntok in tokens:
+            nb = ntok // block
+            for arrangement in ("consecutive", "shuffled"):
+                for rep in range(reps + 1):  # rep 0 is warm-up
+                    if arrangement == "consecutive":
+                        pb, db = list(range(nb)), list(range(nb, 2 * nb))
+                    else:
+                        pb = [int(x) for x in rng.permutation(nblocks)[:nb]]
+                        db = [int(x) for x in rng.permutation(nblocks)[:nb]]
+                    tid = f"{arrangement}-{ntok}-{rep}"
+                    d.call("expect", tid=tid, attempt=0, producer=ref, blocks=db, num_tokens=ntok)
+                    time.sleep(0.05)
+                    p.call("ready", tid=tid, attempt=0, blocks=pb, num_tokens=ntok)
+                    n += 1
+                    got = d.call("wait", n=n, seconds=120, timeout=150)["results"]
+                    assert got[-1]["ok"], got[-1]
+        by: dict = {}
+        for e in read_events(events):
+            by.setdefault(e["tid"], {}).setdefault(e["ev"], e)
+        for ntok in tokens:
+            for arrangement in ("consecutive", "shuffled"):
+                s = [by[f"{arrangement}-{ntok}-{r}"] for r in range(1, reps + 1)]
+                hand = [(x["received"]["t"] - x["kv_ready"]["t"]) * 1e3 for x in s]
+                out.append({"block_size": block, "desc_kib": block * 256 // 1024, "tokens": ntok,
+                            "bytes": ntok * 128 * 256, "arrangement": arrangement,
+                            "path": "staged" if s[0]["posted"].get("staged") else "direct",
+                            "descs_or_chunks": s[0]["posted"].get("descs"),
+                            "handoff_ms_p50": statistics.median(hand), "handoff_ms_max": max(hand)})
+                print(json.dumps(out[-1]), flush=True)
+    finally:
+        p.close()
+        d.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--block-sizes", default="16,64,256")
+    ap.add_argument("--tokens", default="16384,32768")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk-mib", type=int, default=128)
+    ap.add_argument("--out", default="h200-fragmentation.json")
+    args = ap.parse_args()
+    import torch
+
+    two = torch.cuda.device_count() > 1
+    tokens = [int(t) for t in args.tokens.split(",")]
+    raw = {t: raw_copy_ms(t * 128 * 256) for t in tokens}
+    rows = []
+    for block in [int(b) for b in args.block_sizes.split(",")]:
+        for staged in (False, True):
+            rows += run_case(block, tokens, staged, args.reps, args.chunk_mib, two)
+    for r in rows:
+        r["raw_copy_ms"] = raw[r["tokens"]]
+    ratios = []
+    for r in rows:
+        if r["path"] == "staged" and r["arrangement"] == "shuffled":
+            base = next(x for x in rows if x["path"] == "direct" and x["arrangement"] == "consecutive"
+                        and x["block_size"] == r["block_size"] and x["tokens"] == r["tokens"])
+            ratios.append({"block_size": r["block_size"], "tokens": r["tokens"],
+                           "staged_shuffled_ms": r["handoff_ms_p50"], "direct_contiguous_ms": base["handoff_ms_p50"],
+                           "ratio": r["handoff_ms_p50"] / base["handoff_ms_p50"]})
+    summary = {"fragmented_over_contiguous_max": round(max(x["ratio"] for x in ratios), 3), "ratios": ratios}
+    meta = {"gpus": torch.cuda.device_count(), "device": torch.cuda.get_device_name(0), "geometry": GEO,
+            "reps": args.reps, "chunk_mib": args.chunk_mib}
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
