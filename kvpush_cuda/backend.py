@@ -86,3 +86,16 @@ class CudaKVCache(CudaDevice):
 
     def registration_regions(self) -> np.ndarray:
         return self._regs
+
+    # ---- staged transfers: per-region word views of vLLM's tensors, side stream ---------------------
+    def staging_buffer(self, nbytes: int):
+        from kvpush_common.vllm.tensor_staging import TensorStaging
+
+        self._staging = TensorStaging(self._layout, list(self._kv_caches.values()))
+        return self._staging.staging_buffer(nbytes)
+
+    def gather(self, block_ids, addr: int) -> None:
+        self._staging.gather(block_ids, addr)
+
+    def scatter(self, block_ids, addr: int) -> None:
+        self._staging.scatter(block_ids, addr)

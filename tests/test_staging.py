@@ -65,3 +65,51 @@ def test_chunks_cover_the_request_in_registration_order():
     assert w.chunks == 2 and w.span(0) == (0, 4) and w.span(1) == (4, 1)
     with pytest.raises(PlanError, match="exceeds the staging chunk"):
         blocks_per_chunk(layout, 512)
+
+
+def _torch_caches(shape, seed, zero=False, layers=3):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.attn": (torch.zeros(shape, dtype=torch.bfloat16) if zero else
+                                       torch.randint(0, 100, shape, generator=g).to(torch.bfloat16))
+            for i in range(layers)}
+
+
+@pytest.mark.parametrize("kind", ["vllm-cpu", "flash-attn", "flash-infer", "flash-attn-hnd"])
+def test_tensor_staging_round_trips_vllm_caches(kind):
+    """vLLM's own per-layer tensors (CPU layout, and the CUDA layouts on CPU tensors) gather and scatter
+    exactly the chosen blocks, in physical byte order."""
+    import torch
+
+    from kvpush_common.vllm.host_cache import VllmCpuCache
+    from kvpush_common.vllm.tensor_staging import TensorStaging
+
+    sb, db = [3, 1, 7], [0, 5, 2]
+    if kind == "vllm-cpu":
+        src, dst = _torch_caches((10, 2, 4, 16), 1), _torch_caches((10, 2, 4, 16), 0, zero=True)
+        a, b = VllmCpuCache(src, 0), VllmCpuCache(dst, 0)
+        block_dim, (sa, _), (da, _) = 0, a.staging_buffer(1 << 16), b.staging_buffer(1 << 16)
+        a.gather(sb, sa)
+        b._staging.buffer.copy_(a._staging.buffer)
+        b.scatter(db, da)
+    else:
+        from kvpush_cuda.backend import describe_cuda_caches
+
+        shape = (10, 2, 4, 2, 8) if kind == "flash-infer" else (2, 10, 4, 2, 8)
+        src, dst = _torch_caches(shape, 1), _torch_caches(shape, 0, zero=True)
+        if kind == "flash-attn-hnd":  # logical (block_size, heads) dims over HND-packed memory
+            src = {k: v.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4) for k, v in src.items()}
+            dst = {k: v.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4) for k, v in dst.items()}
+        block_dim = 0 if kind == "flash-infer" else 1
+        s = TensorStaging(describe_cuda_caches(src, block_size=4, num_heads=2, head_size=8)[0], list(src.values()))
+        d = TensorStaging(describe_cuda_caches(dst, block_size=4, num_heads=2, head_size=8)[0], list(dst.values()))
+        sa, _ = s.staging_buffer(1 << 16)
+        da, _ = d.staging_buffer(1 << 16)
+        s.gather(sb, sa)
+        d.buffer.copy_(s.buffer)
+        d.scatter(db, da)
+    for k in src:
+        assert torch.equal(dst[k].index_select(block_dim, torch.tensor(db)), src[k].index_select(block_dim, torch.tensor(sb)))
+        rest = torch.tensor(sorted(set(range(10)) - set(db)))
+        assert int((dst[k].index_select(block_dim, rest) != 0).sum()) == 0

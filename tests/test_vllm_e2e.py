@@ -28,6 +28,11 @@ def prompts() -> list[str]:
     return ["a", "import os", block * 3, block * 10, block * 22]  # 1 token .. several 128-token blocks
 
 
+# P and D stage every push (gather -> chunk WRITE -> scatter); the control producer Pb offers no staging,
+# so its pushes into the same D go direct: both paths run through real vLLM.
+STAGED = {"staging_bytes": 4 << 20, "staging_chunk_bytes": 256 << 10, "staging_min_descs": 1}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     work = scratch_dir("kvpush-vllm-")
@@ -37,9 +42,9 @@ def cluster():
     model_b = make_model(work / "tiny-b", seed=1)
     p_metrics, d_metrics = free_port_pair(), free_port_pair()
     p = VllmServer("P", model_a, role="kv_producer", log_dir=work, core="0", env=env,
-                   extra={"port": free_port_pair(), "metrics_port": p_metrics, **FAST})
+                   extra={"port": free_port_pair(), "metrics_port": p_metrics, **FAST, **STAGED})
     d = VllmServer("D", model_a, role="kv_consumer", log_dir=work, core="1", env=env,
-                   extra={"transfer_timeout_s": 15, "metrics_port": d_metrics, **FAST})
+                   extra={"transfer_timeout_s": 15, "metrics_port": d_metrics, **FAST, **STAGED})
     pb = VllmServer("Pb", model_b, role="kv_producer", log_dir=work, core="0", env=env,
                     extra={"port": free_port_pair(), **FAST})
     servers = [p, d, pb]
@@ -93,6 +98,7 @@ def test_push_through_router_matches_a_single_instance(cluster):
     p_metrics, d_metrics = scrape(cluster["metrics"]["P"]), scrape(cluster["metrics"]["D"])
     assert p_metrics["kvpush_writes_done_total"] >= len(ps) and p_metrics["kvpush_bytes_written_total"] > 0
     assert p_metrics["kvpush_handoff_seconds_count"] >= len(ps)
+    assert p_metrics["kvpush_writes_staged_total"] >= len(ps)  # every push went gather -> chunks -> scatter
     assert d_metrics["kvpush_requests_received_total"] >= len(ps) and d_metrics["kvpush_recv_wait_seconds_count"] >= len(ps)
 
 

@@ -63,3 +63,16 @@ class VllmCpuCache(DeviceBackend):
 
     def registration_regions(self) -> np.ndarray:
         return self._regions
+
+    # ---- staged transfers -----------------------------------------------------------------------------
+    def staging_buffer(self, nbytes: int):
+        from .tensor_staging import TensorStaging
+
+        self._staging = TensorStaging(self._layout, list(self._kv_caches.values()))
+        return self._staging.staging_buffer(nbytes)
+
+    def gather(self, block_ids, addr: int) -> None:
+        self._staging.gather(block_ids, addr)
+
+    def scatter(self, block_ids, addr: int) -> None:
+        self._staging.scatter(block_ids, addr)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..config import EndpointConfig
@@ -28,6 +28,7 @@ class ConnectorSettings:
     ready_delay_s: float  # test knob: producer reports KV ready this much later (forces registration first)
     register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
     metrics_port: int = 0  # >0: each TP rank serves its kvpush Prometheus metrics on metrics_port + rank
+    staging: dict = field(default_factory=dict)  # staged-transfer settings (EndpointConfig.staging_*)
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -64,6 +65,8 @@ class ConnectorSettings:
             ready_delay_s=float(extra.get("debug_ready_delay_s", 0.0)),
             register_delay_s=float(extra.get("debug_register_delay_s", 0.0)),
             metrics_port=int(extra.get("metrics_port", 0)),
+            staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
+                                                "staging_partitions") if k in extra},
         )
 
     def identity(self) -> ProducerIdentity:
@@ -73,4 +76,4 @@ class ConnectorSettings:
         return EndpointConfig(engine_id=self.engine_id, rank=rank, tp_size=self.tp_size,
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
                               base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params)),
-                              secret=self.secret, **self.timeouts)
+                              secret=self.secret, **self.timeouts, **self.staging)
