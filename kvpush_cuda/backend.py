@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvpush_common.layout import KVLayout, LayoutError, Region
+from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 from .device import CudaDevice, sliced_registrations
 
@@ -68,7 +69,7 @@ def describe_cuda_caches(kv_caches: dict[str, torch.Tensor], *, block_size: int,
     return layout, sorted(allocations.items()), device
 
 
-class CudaKVCache(CudaDevice):
+class CudaKVCache(TensorStagingMixin, CudaDevice):
     """vLLM's CUDA KV caches as a kvpush DeviceBackend (VRAM, registrations of at most 4 GiB)."""
 
     name = "cuda"
@@ -86,16 +87,3 @@ class CudaKVCache(CudaDevice):
 
     def registration_regions(self) -> np.ndarray:
         return self._regs
-
-    # ---- staged transfers: per-region word views of vLLM's tensors, side stream ---------------------
-    def staging_buffer(self, nbytes: int):
-        from kvpush_common.vllm.tensor_staging import TensorStaging
-
-        self._staging = TensorStaging(self._layout, list(self._kv_caches.values()))
-        return self._staging.staging_buffer(nbytes)
-
-    def gather(self, block_ids, addr: int) -> None:
-        self._staging.gather(block_ids, addr)
-
-    def scatter(self, block_ids, addr: int) -> None:
-        self._staging.scatter(block_ids, addr)

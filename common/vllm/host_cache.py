@@ -14,6 +14,7 @@ import torch
 
 from ..device import DeviceBackend
 from ..layout import KVLayout, LayoutError, Region
+from .tensor_staging import TensorStagingMixin
 
 
 def _layer_order(name: str) -> tuple:
@@ -51,7 +52,7 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) ->
     return layout, np.array(regs, dtype=np.uint64)
 
 
-class VllmCpuCache(DeviceBackend):
+class VllmCpuCache(TensorStagingMixin, DeviceBackend):
     name = "vllm-cpu"
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int):
@@ -63,16 +64,3 @@ class VllmCpuCache(DeviceBackend):
 
     def registration_regions(self) -> np.ndarray:
         return self._regions
-
-    # ---- staged transfers -----------------------------------------------------------------------------
-    def staging_buffer(self, nbytes: int):
-        from .tensor_staging import TensorStaging
-
-        self._staging = TensorStaging(self._layout, list(self._kv_caches.values()))
-        return self._staging.staging_buffer(nbytes)
-
-    def gather(self, block_ids, addr: int) -> None:
-        self._staging.gather(block_ids, addr)
-
-    def scatter(self, block_ids, addr: int) -> None:
-        self._staging.scatter(block_ids, addr)

@@ -77,3 +77,17 @@ class TensorStaging:
             for r, view in enumerate(self.views):
                 view.index_copy_(0, idx, src[r])
         self._run(work)
+
+
+class TensorStagingMixin:
+    """Staged-transfer methods for a DeviceBackend holding vLLM's tensors in `_kv_caches` and its layout in `_layout`."""
+
+    def staging_buffer(self, nbytes: int):
+        self._staging = TensorStaging(self._layout, list(self._kv_caches.values()))
+        return self._staging.staging_buffer(nbytes)
+
+    def gather(self, block_ids, addr: int) -> None:
+        self._staging.gather(block_ids, addr)
+
+    def scatter(self, block_ids, addr: int) -> None:
+        self._staging.scatter(block_ids, addr)
