@@ -19,12 +19,12 @@ from typing import Callable
 from .config import EndpointConfig
 from .device import DeviceBackend
 from .events import EventLog
-from .layout import KVLayout
+from .layout import KVLayout, LayoutError
 from .metrics import EndpointStats
 from .topology import local_heads
 from .transport import NixlTransport, Transport, TransportError
 from .planner import PlanError
-from .staging import SlotPool, blocks_per_chunk, plane_grid
+from .staging import SlotPool, blocks_per_chunk
 from .wire import Codec, Hello, Staging, Message, WireError, compat_hash
 
 log = logging.getLogger(__name__)
@@ -110,12 +110,11 @@ class Endpoint:
         if not self.cfg.staging_bytes or self.cfg.mode != "push":
             return None
         try:
-            plane_grid(self.layout)
             blocks_per_chunk(self.layout, self.cfg.staging_chunk_bytes)
-        except PlanError as e:
+            got = self.backend.staging_buffer(self.cfg.staging_bytes)  # may refuse a layout it cannot view
+        except (PlanError, LayoutError) as e:
             log.warning("staged transfers off: %s", e)
             return None
-        got = self.backend.staging_buffer(self.cfg.staging_bytes)
         if got is None:
             log.warning("staged transfers off: the %s backend has no staging buffers", self.backend.name)
             return None
