@@ -49,11 +49,10 @@ class CudaSlab(CudaDevice):
 
     # ---- staged transfers: gather/scatter kernels on their own stream -------------------------------
     def staging_buffer(self, nbytes: int):
-        dev = f"cuda:{self.device_index}"
-        self.staging = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        self._stream = torch.cuda.Stream(device=self.device_index)
         layout = self._layout
-        offset, grid = plane_grid(layout)
+        offset, grid = plane_grid(layout)  # before allocating: raises when the regions are no uniform grid
+        self.staging = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device_index}")
+        self._stream = torch.cuda.Stream(device=self.device_index)
         start = min(r.base for r in layout.regions) - self.slab_base + offset
         sizes = [start, unit_bytes(layout), layout.regions[0].block_stride, nbytes] + [p for _, p in grid]
         w = 8 if all(s % 8 == 0 for s in sizes) else 1  # copy 8-byte words when everything is aligned: ~8x faster

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (installed by scripts/setup-venv.sh: never skipped)
+
 pytestmark = pytest.mark.vllm
 
 from kvpush_common.vllm import compat  # noqa: E402

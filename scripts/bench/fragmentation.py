@@ -27,7 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_handoff import raw_copy_ms  # noqa: E402
+from kvslab import peer_copy_ms  # noqa: E402
 from procs import PeerProcess  # noqa: E402
 
 from kvpush_common.events import read_events  # noqa: E402
@@ -35,12 +35,14 @@ from kvpush_common.events import read_events  # noqa: E402
 GEO = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2)
 
 
-def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool) -> list[dict]:
+def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool,
+             poll_s: float = 0.0002) -> list[dict]:
+    """One producer/consumer pair; every size x arrangement `reps` times after a warm-up; rows of medians."""
     nblocks = 2 * max(tokens) // block + 8
     events = Path(tempfile.mkdtemp(prefix="kvpush-frag-"))
     env = {"KVPUSH_EVENT_DIR": str(events)}
     cfg = dict(staging_bytes=1 << 30, staging_chunk_bytes=chunk_mib << 20, staging_min_descs=1,
-               staging_partitions=1, poll_s=0.0002) if staged else dict(poll_s=0.0002)
+               staging_partitions=1, poll_s=poll_s) if staged else dict(poll_s=poll_s)
     p, d = PeerProcess("P", env), PeerProcess("D", env)
     out = []
     try:
@@ -74,11 +76,15 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
             for arrangement in ("consecutive", "shuffled"):
                 s = [by[f"{arrangement}-{ntok}-{r}"] for r in range(1, reps + 1)]
                 hand = [(x["received"]["t"] - x["kv_ready"]["t"]) * 1e3 for x in s]
+                post = [(x["posted"]["t"] - x["kv_ready"]["t"]) * 1e3 for x in s]
+                wire = [(x["write_done"]["t"] - x["posted"]["t"]) * 1e3 for x in s if "write_done" in x]
                 out.append({"block_size": block, "desc_kib": block * 256 // 1024, "tokens": ntok,
                             "bytes": ntok * 128 * 256, "arrangement": arrangement,
                             "path": "staged" if s[0]["posted"].get("staged") else "direct",
                             "descs_or_chunks": s[0]["posted"].get("descs"),
-                            "handoff_ms_p50": statistics.median(hand), "handoff_ms_max": max(hand)})
+                            "handoff_ms_p50": statistics.median(hand), "handoff_ms_max": max(hand),
+                            "post_ms_p50": statistics.median(post),
+                            "wire_ms_p50": statistics.median(wire) if wire else None})
                 print(json.dumps(out[-1]), flush=True)
     finally:
         p.close()
@@ -98,7 +104,7 @@ def main() -> int:
 
     two = torch.cuda.device_count() > 1
     tokens = [int(t) for t in args.tokens.split(",")]
-    raw = {t: raw_copy_ms(t * 128 * 256) for t in tokens}
+    raw = {t: peer_copy_ms(t * 128 * 256) for t in tokens}
     rows = []
     for block in [int(b) for b in args.block_sizes.split(",")]:
         for staged in (False, True):

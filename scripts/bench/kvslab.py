@@ -71,3 +71,28 @@ class KVSlab:
 def pattern(seq: int) -> int:
     """Byte written by request number `seq`: consecutive requests differ, never 0 (fresh memory)."""
     return 1 + seq % 251
+
+
+def peer_copy_ms(nbytes: int, src: int = 0, dst: int | None = None, reps: int = 10) -> float:
+    """Median time of one torch copy of `nbytes` from GPU `src` to GPU `dst` (default: GPU 1 if present):
+    the floor every benchmark here compares its transfers against."""
+    import statistics
+    import time
+
+    import torch
+
+    if dst is None:
+        dst = 1 if torch.cuda.device_count() > 1 else 0
+    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(dst)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(src)
+        t = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(dst)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvslab import QWEN3_32B_RANK  # noqa: E402
+from kvslab import QWEN3_32B_RANK, peer_copy_ms  # noqa: E402
 
 from kvpush_common.blockplan import merge_runs, plan_blocks  # noqa: E402
 from kvpush_common.layout import KVLayout  # noqa: E402
@@ -108,20 +108,10 @@ def main() -> int:
                 if rep >= 2:
                     total.append((t2 - t0) * 1e3)
                     wire.append((t2 - t1) * 1e3)
-            x = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda:0")
-            y = torch.empty(plan.nbytes, dtype=torch.uint8, device=f"cuda:{1 if two else 0}")
-            raw = []
-            for rep in range(args.reps + 2):
-                torch.cuda.synchronize(0)
-                t0 = time.perf_counter()
-                y.copy_(x)
-                torch.cuda.synchronize(1 if two else 0)
-                if rep >= 2:
-                    raw.append((time.perf_counter() - t0) * 1e3)
-            del x, y
+            raw = peer_copy_ms(plan.nbytes, 0, 1 if two else 0, args.reps)
             row = {"block_size": bs, "tokens": n, "bytes": plan.nbytes, "descs": plan.num_descs,
                    "nixl_total_ms_p50": statistics.median(total), "nixl_wire_ms_p50": statistics.median(wire),
-                   "raw_copy_ms_p50": statistics.median(raw)}
+                   "raw_copy_ms_p50": raw}
             row["efficiency_wire"] = row["raw_copy_ms_p50"] / row["nixl_wire_ms_p50"]
             row["efficiency_total"] = row["raw_copy_ms_p50"] / row["nixl_total_ms_p50"]
             conn.send_bytes(msgspec.msgpack.encode([[int(r[0]), int(r[1])] for r in plan.dst[:: max(1, len(plan.dst) // 8)]]))
