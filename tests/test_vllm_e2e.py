@@ -98,7 +98,9 @@ def test_push_through_router_matches_a_single_instance(cluster):
     p_metrics, d_metrics = scrape(cluster["metrics"]["P"]), scrape(cluster["metrics"]["D"])
     assert p_metrics["kvpush_writes_done_total"] >= len(ps) and p_metrics["kvpush_bytes_written_total"] > 0
     assert p_metrics["kvpush_handoff_seconds_count"] >= len(ps)
-    assert p_metrics["kvpush_writes_staged_total"] >= len(ps)  # every push went gather -> chunks -> scatter
+    # every push was staged, or went direct because all staging slots were busy (the fallback policy)
+    assert p_metrics["kvpush_writes_staged_total"] >= 1
+    assert p_metrics["kvpush_writes_staged_total"] + p_metrics.get("kvpush_staging_exhausted_total", 0) >= len(ps)
     assert d_metrics["kvpush_requests_received_total"] >= len(ps) and d_metrics["kvpush_recv_wait_seconds_count"] >= len(ps)
 
 
