@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,23 +19,48 @@ ROOT = Path(__file__).resolve().parents[1]
 CONNECTOR = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush_common.vllm.connector"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_handed_out: set[int] = set()
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
+def free_port(span: int = 1) -> int:
+    """A port p with p .. p+span-1 free, chosen below the kernel's ephemeral range.
+
+    A port from bind(0) is an ephemeral one: between choosing it and the server binding it, any
+    process's outgoing connection (vLLM, UCX, the other servers starting beside it) may take it.
+    Ports below the range are only ever taken by explicit binds; each is handed out once per process."""
+    lo = 20000
+    hi = max(lo + 1000, _ephemeral_range()[0] - span)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        p = rng.randrange(lo, hi)
+        ports = range(p, p + span)
+        if any(q in _handed_out for q in ports) or not all(_bindable(q) for q in ports):
+            continue
+        _handed_out.update(ports)
+        return p
+    raise RuntimeError(f"no {span} free consecutive port(s) in [{lo}, {hi})")
 
 
 def free_port_pair() -> int:
     """A port p with p and p+1 both free (side channels of TP ranks)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+    return free_port(span=2)
 
 
 def make_model(directory: Path, seed: int) -> Path:
@@ -55,10 +81,16 @@ class Process:
         return self.proc.poll() is None
 
     def tail(self, n: int = 4000) -> str:
+        """The log's end, preceded by its error lines: a child's root cause (e.g. vLLM's EngineCore
+        traceback) is often far above the parent's own traceback at the end."""
         try:
-            return self.log_path.read_text(errors="replace")[-n:]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        marks = ("Error", "Exception", "Traceback", "error:")
+        errors = [ln for ln in text[:-n].splitlines() if any(m in ln for m in marks)]
+        head = ("error lines above the tail:\n" + "\n".join(errors[:40]) + "\n...\n") if errors else ""
+        return head + text[-n:]
 
     def kill(self, sig=signal.SIGKILL) -> None:
         try:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 
 from procs import PeerProcess
+from vllm_cluster import free_port
 
 POISON = 0xAB
 GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2, block_size=16, order="HND")
@@ -42,12 +42,6 @@ def producer_bound(cfg: dict) -> float:
     """Ready KV is held at most while the consumer heartbeats (its transfer timeout), then a lease,
     then a WRITE still in flight."""
     return cfg["transfer_timeout_s"] + cfg["lease_s"] + cfg["write_timeout_s"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
