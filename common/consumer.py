@@ -151,7 +151,7 @@ class ConsumerEndpoint(Endpoint):
         """Pool thread: the part of our staging pool this producer rank may WRITE chunks into."""
         if self.staging is None:
             return None
-        per_part = self.staging.size // self.cfg.staging_partitions
+        per_part = self._slots_per_partition()
         with self._partition_lock:
             idx = self._partitions.get(prod)
             if idx is None:
@@ -161,11 +161,15 @@ class ConsumerEndpoint(Endpoint):
         part = per_part * self.staging.chunk_bytes
         return Staging(self.staging.addr + idx * part, part, self.staging.device_id, self.staging.chunk_bytes)
 
+    def _slots_per_partition(self) -> int:
+        """Staging slots (chunks) lent to each producer rank: the pool split evenly, remainder unused."""
+        return self.staging.size // self.cfg.staging_partitions if self.staging is not None else 0
+
     def _on_chunk(self, peer: Peer, key: TransferKey, prod, msg: ChunkWritten, now: float) -> list:
         """A chunk landed in a slot we lent: scatter it if the key still wants it, then free the slot."""
         part = self._partitions.get(prod)
         unit = len(self.layout.regions) * unit_bytes(self.layout)
-        slots = (self.staging.size // self.cfg.staging_partitions) if self.staging is not None else 0
+        slots = self._slots_per_partition()
         if part is None or msg.slot >= slots or msg.count * unit > self.staging.chunk_bytes:
             self.stats.rejected_msgs.labels(reason="bad_chunk").inc()
             log.warning("dropped ChunkWritten from %s: slot %d / %d blocks outside what we lent", peer.agent,

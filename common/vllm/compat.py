@@ -111,8 +111,9 @@ class LoadErrors:
 
     def staged(self, recvs) -> None:
         if self.active:
-            for op in recvs:
-                self._blocks[op.req_id] = tuple(op.block_ids)
+            for op in recvs:  # never the null block 0 (or padding): other requests hold it too, and
+                # vLLM would fail them and evict it (sliding-window requests start with it)
+                self._blocks[op.req_id] = tuple(b for b in op.block_ids if b > 0)
 
     def finished(self, results) -> None:
         if self.active:
