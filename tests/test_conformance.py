@@ -22,6 +22,20 @@ POISON = 0xAB
 GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2)
 
 
+def gpu_for_rank(gpus: int, consumer: bool, rank: int, p_tp: int, d_tp: int) -> int:
+    if gpus >= p_tp + d_tp:
+        return p_tp + rank if consumer else rank
+    return 1 if consumer and gpus > 1 else 0
+
+
+def test_each_rank_gets_its_own_gpu_when_there_are_enough():
+    assert [gpu_for_rank(4, False, r, 2, 2) for r in range(2)] == [0, 1]
+    assert [gpu_for_rank(4, True, r, 2, 2) for r in range(2)] == [2, 3]
+    assert [gpu_for_rank(4, True, r, 1, 2) for r in range(2)] == [1, 2]
+    assert [gpu_for_rank(2, c, r, 2, 2) for c in (False, True) for r in range(2)] == [0, 0, 1, 1]
+    assert gpu_for_rank(2, True, 0, 1, 1) == 1 and gpu_for_rank(1, True, 0, 1, 1) == 0
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_kind(request):
     return request.param
@@ -38,13 +52,15 @@ class Cluster:
         self.p_port = 0
         self.p_tp = 1
 
-    def _device(self, consumer: bool) -> dict:
-        """CUDA: producers on GPU 0, consumers on GPU 1 when there are two (VRAM to VRAM across GPUs)."""
+    def _device(self, consumer: bool, rank: int, p_tp: int, d_tp: int) -> dict:
+        """CUDA: one GPU per rank when there are enough (producer ranks first, then consumer ranks: the
+        four-GPU runs of heterogeneous TP); else producers on GPU 0 and consumers on GPU 1 when there
+        are two (VRAM to VRAM across GPUs)."""
         if self.kind != "cuda":
             return {}
         import torch
 
-        return {"device": 1 if consumer and torch.cuda.device_count() > 1 else 0}
+        return {"device": gpu_for_rank(torch.cuda.device_count(), consumer, rank, p_tp, d_tp)}
 
     def _spawn(self, name):
         proc = PeerProcess(name)
@@ -75,7 +91,7 @@ class Cluster:
             reply = proc.call("start", role="producer", cfg=cfg, faults=p_faults,
                               backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=p_block,
                                            num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO,
-                                           **self._device(False)))
+                                           **self._device(False, r, p_tp, d_tp)))
             if r == 0:
                 self.p_port = reply["port"]  # rank r serves on base_port + r
             proc.call("fill", seed=100 + r)
@@ -85,7 +101,7 @@ class Cluster:
             proc.call("start", role="consumer", cfg=cfg, faults=d_faults,
                       backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=d_block,
                                    num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO,
-                                   **self._device(True)))
+                                   **self._device(True, r, p_tp, d_tp)))
             proc.call("poison", byte=POISON)
         return self
 
@@ -189,6 +205,25 @@ def test_one_producer_rank_into_two_consumer_ranks(cluster, path):
         assert wait(d, 1)[0]["ok"] is True
     assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
     assert_copied(cl, p_blocks, d_blocks, n)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_two_producer_ranks_into_two_consumer_ranks(cluster, path):
+    """P TP=2 -> D TP=2 (two heads per rank): rank r writes only into consumer rank r, every
+    consumer rank is ready only after its own producer rank wrote."""
+    cl = cluster.start(total_heads=4, p_tp=2, d_tp=2, p_cfg=PATHS[path])
+    p_blocks, d_blocks, n = [7, 1, 2, 3], [0, 11, 12, 20], 60
+    cl.expect("tp22", 0, d_blocks, n)
+    cl.producers[1].call("ready", tid="tp22", attempt=0, blocks=p_blocks, num_tokens=n)
+    assert wait(cl.consumers[1], 1)[0]["ok"] is True
+    assert wait(cl.consumers[0], 1, seconds=0.3) == []  # rank 0's producer has not written yet
+    cl.producers[0].call("ready", tid="tp22", attempt=0, blocks=p_blocks, num_tokens=n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    for p in cl.producers:
+        assert wait(p, 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+    for d in cl.consumers:
+        assert set(dirty(d)) == set(d_blocks)
 
 
 @pytest.mark.parametrize("p_block,d_block,p_order,d_order", [
