@@ -11,6 +11,11 @@ points and give the contiguous NIXL WRITE time of each size.
 
     python3 scripts/bench/engine_loop.py --out docs/benchmarks/h200.json          # two GPUs
     python3 scripts/bench/engine_loop.py --cpu --lengths 256,512 --rates 2,4 ...  # CPU smoke run
+    python3 scripts/bench/engine_loop.py --p-tp 2 --d-tp 1 --modes push,kvpush-pull ...  # 3+ GPUs
+
+Several ranks per engine (--p-tp / --d-tp): a process per rank in lockstep (engines.py), one GPU
+each when there are enough, the model's KV heads split across each side's ranks (a producer rank
+writes its heads into every consumer rank that holds them).  vLLM-style pull runs one rank each.
 
 Rates: nominal 1/2/4/8 QPS are scaled per input length so that the top rate loads the single
 prefill engine to `--max-util` of its capacity (rate x prefill time); lengths whose prefill is fast
@@ -34,7 +39,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import engines  # noqa: E402
-from handoff_modes import MODES  # noqa: E402
+from handoff_modes import MODES, MULTI_RANK_MODES  # noqa: E402
 from kvslab import QWEN3_32B_RANK, peer_copy_ms  # noqa: E402
 from workmodel import StepCost  # noqa: E402
 
@@ -48,10 +53,23 @@ def pct(xs, q):
 
 
 class Engine:
-    def __init__(self, ctx, target, opts: dict):
+    """Rank 0 of an engine (the driver's pipe) and its other ranks (pipes to rank 0 only)."""
+
+    def __init__(self, ctx, target, opts: dict, tp: int = 1):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, opts), daemon=True)
+        self._ctx = ctx
+        pipes = [ctx.Pipe() for _ in range(tp - 1)]
+        self._follower_ends = [b for _, b in pipes]
+        self.proc = ctx.Process(target=target, args=(child, opts, [a for a, _ in pipes]), daemon=True)
         self.proc.start()
+        self.followers: list = []
+
+    def start_followers(self, target, opts_for_rank) -> None:
+        """Ranks 1.. (after rank 0 has told what they need, e.g. its port)."""
+        for r, end in enumerate(self._follower_ends, start=1):
+            proc = self._ctx.Process(target=target, args=(end, opts_for_rank(r)), daemon=True)
+            proc.start()
+            self.followers.append(proc)
 
     def send(self, **msg) -> None:
         self.conn.send_bytes(_enc.encode(msg))
@@ -66,26 +84,38 @@ class Engine:
             self.send(op="stop")
         except (OSError, BrokenPipeError):
             pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+        for proc in [self.proc, *self.followers]:  # rank 0 stops its followers
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 class Pair:
-    """One prefill and one decode engine in `mode`, handshaken."""
+    """One prefill and one decode engine in `mode` (each of args.p_tp / args.d_tp ranks), handshaken."""
 
     def __init__(self, mode: str, args, block_size: int, event_dir: Path):
         ctx = mp.get_context("spawn")
         base = dict(mode=mode, block_size=block_size, poll_s=args.poll_ms / 1e3, event_dir=str(event_dir),
                     geometry=args.geometry, cpu_time_scale=args.cpu_time_scale, verify=args.verify,
                     staging_mib=args.staging_mib if mode == "push-staged" else 0)
-        bb = block_bytes(args.geometry, block_size)
+        bb = block_bytes(args.geometry, block_size, heads=args.heads_per_rank)
         nblocks = int(args.pool_gib * (1 << 30) // bb)
         self.mode = mode
-        self.p = Engine(ctx, engines.prefill_main, dict(base, device=args.p_device, num_blocks=nblocks))
-        self.d = Engine(ctx, engines.decode_main, dict(base, device=args.d_device, num_blocks=nblocks))
+        multi = args.p_tp > 1 or args.d_tp > 1
+
+        def opts(role: str, rank: int, **extra) -> dict:
+            tp, devices = (args.p_tp, args.p_devices) if role == "P" else (args.d_tp, args.d_devices)
+            ranks = dict(rank=rank, tp_size=tp, total_kv_heads=args.total_heads, **extra) if multi else None
+            return dict(base, device=devices[rank], num_blocks=nblocks, ranks=ranks)
+
+        self.p = Engine(ctx, engines.prefill_main, opts("P", 0), args.p_tp)
+        self.d = Engine(ctx, engines.decode_main, opts("D", 0), args.d_tp)
+        self.d.start_followers(engines.decode_follower_main, lambda r: opts("D", r))
         hello = self.p.recv(600)
         assert hello["ev"] == "hello", hello
+        self.p.start_followers(engines.prefill_follower_main, lambda r: opts("P", r, base_port=hello["port"]))
+        ready = self.p.recv(600)
+        assert ready["ev"] == "ready", ready
         alive = self.d.recv(600)
         self.unit_ms = {"prefill": hello.pop("unit_ms"), "decode": alive["unit_ms"]}
         hello.pop("ev")
@@ -98,9 +128,10 @@ class Pair:
         self.d.stop()
 
 
-def block_bytes(geometry: dict, block_size: int) -> int:
+def block_bytes(geometry: dict, block_size: int, heads: int | None = None) -> int:
+    """Bytes of one block of one rank (`heads`: the rank's KV heads, default the geometry's)."""
     g = {**QWEN3_32B_RANK, **geometry}
-    return g["num_layers"] * 2 * block_size * g["num_heads"] * g["head_dim"] * g["dtype_size"]
+    return g["num_layers"] * 2 * block_size * (heads or g["num_heads"]) * g["head_dim"] * g["dtype_size"]
 
 
 def run_requests(pair: Pair, reqs: list[dict], out_tokens: int, timeout: float) -> dict[str, dict]:
@@ -229,7 +260,7 @@ def run_mode(mode: str, block_size: int, args, cost: StepCost, seq: list[int], l
                 hooks_admit = [s[0] for s in steps if s[3]]
                 point = {"mode": mode, "block_size": block_size, "tokens": tokens, "rate_nominal": nominal,
                          "rate": round(rate, 4), "rate_scale": round(scale, 4),
-                         "kv_bytes": tokens * block_bytes(args.geometry, 1),
+                         "kv_bytes": tokens * block_bytes(args.geometry, 1, args.p_heads),
                          **summarize(list(recs.values()), args.out_tokens),
                          "hook_us_p50": pct(hooks, 50), "hook_us_p99": pct(hooks, 99),
                          "hook_us_max": max(hooks) if hooks else None,
@@ -308,6 +339,34 @@ def summary(results: list[dict], raw: dict, args, wire_rows: list[dict] | None =
     return out
 
 
+def set_ranks(args) -> None:
+    """Heads per rank on each side (a rank of the narrower side holds the heads of several of the other)."""
+    from kvpush_common.topology import local_heads
+
+    if args.p_tp > 1 or args.d_tp > 1:
+        bad = [m for m in args.modes if m not in MULTI_RANK_MODES]
+        if bad:
+            raise SystemExit(f"modes {bad} run one rank per engine; with --p-tp/--d-tp use {MULTI_RANK_MODES}")
+    per_rank = {**QWEN3_32B_RANK, **args.geometry}["num_heads"]
+    args.total_heads = args.total_heads or per_rank * max(args.p_tp, args.d_tp)
+    args.p_heads = local_heads(args.total_heads, args.p_tp, 0)[1]
+    args.d_heads = local_heads(args.total_heads, args.d_tp, 0)[1]
+    args.heads_per_rank = max(args.p_heads, args.d_heads)
+    args.p_devices, args.d_devices = [None] * args.p_tp, [None] * args.d_tp
+
+
+def place_ranks(args, gpus: int) -> dict:
+    """One GPU per rank when there are enough (prefill ranks first); else prefill on GPU 0 and decode on
+    GPU 1 (GPU 0 too with one GPU)."""
+    if gpus >= args.p_tp + args.d_tp:
+        args.p_devices = list(range(args.p_tp))
+        args.d_devices = list(range(args.p_tp, args.p_tp + args.d_tp))
+    elif gpus:
+        args.p_devices, args.d_devices = [0] * args.p_tp, [min(1, gpus - 1)] * args.d_tp
+    return {"p_tp": args.p_tp, "d_tp": args.d_tp, "total_kv_heads": args.total_heads, "p_heads_per_rank": args.p_heads,
+            "d_heads_per_rank": args.d_heads, "p_devices": args.p_devices, "d_devices": args.d_devices}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=",".join(MODES))
@@ -332,6 +391,11 @@ def main(argv=None) -> int:
     ap.add_argument("--geometry", default="{}", help="JSON overrides of the per-rank KV geometry")
     ap.add_argument("--only-16k-for-block-sizes", default="",
                     help="block sizes that run only the longest length (saves GPU time)")
+    ap.add_argument("--p-tp", type=int, default=1, help="prefill ranks (one process, and GPU if enough, each)")
+    ap.add_argument("--d-tp", type=int, default=1, help="decode ranks")
+    ap.add_argument("--total-heads", type=int, default=0,
+                    help="KV heads of the model (default: the geometry's num_heads x max(p-tp, d-tp), so that a rank "
+                         "of the wider side holds what one Qwen3-32B TP=8 rank holds)")
     ap.add_argument("--nixl-wire", metavar="JSON", help="nixl_wire.py result: adds the contiguous-bandwidth keys")
     ap.add_argument("--summarize", metavar="JSON", help="recompute the summary of an earlier result (no run)")
     ap.add_argument("--out", default="engine-loop.json")
@@ -342,7 +406,7 @@ def main(argv=None) -> int:
     args.rates = [float(x) for x in args.rates.split(",")]
     args.geometry = json.loads(args.geometry)
     short = {int(x) for x in args.only_16k_for_block_sizes.split(",") if x}
-    args.p_device, args.d_device = (None, None) if args.cpu else (0, 1)
+    set_ranks(args)
     wire_rows = json.loads(Path(args.nixl_wire).read_text())["rows"] if args.nixl_wire else None
     if args.summarize:
         doc = json.loads(Path(args.summarize).read_text())
@@ -355,15 +419,16 @@ def main(argv=None) -> int:
     cost = StepCost()
     meta: dict = {"argv": sys.argv[1:] if argv is None else argv, "cost_model": cost.__dict__,
                   "geometry": {**QWEN3_32B_RANK, **args.geometry}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    gpus = 0
     if not args.cpu:
         import torch
 
-        meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.device_count() < 2:
-            args.d_device = 0
-            meta["note"] = "one GPU: prefill and decode share GPU 0"
+        gpus = torch.cuda.device_count()
+        meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    meta["ranks"] = place_ranks(args, gpus)
     args.lengths = all_lengths
-    raw = {str(t): None if args.cpu else peer_copy_ms(t * block_bytes(args.geometry, 1), args.p_device, args.d_device)
+    raw = {str(t): None if args.cpu else peer_copy_ms(t * block_bytes(args.geometry, 1, args.p_heads),
+                                                      args.p_devices[0], args.d_devices[0])
            for t in all_lengths}
     meta["raw_copy_ms"] = raw
 

@@ -25,18 +25,22 @@ from kvpush_common.producer import ProducerEndpoint
 from kvpush_common.transport import NixlTransport, TransportConfig
 
 MODES = ("push", "kvpush-pull", "vllm-pull")  # and "push-staged": push with staged transfers (--staging-mib)
+MULTI_RANK_MODES = ("push", "push-staged", "kvpush-pull")  # several ranks per engine (vllm-pull: one rank each)
 
 
-def endpoint_config(engine_id: str, mode: str, poll_s: float, staging_mib: int = 0) -> EndpointConfig:
-    staging = dict(staging_bytes=staging_mib << 20, staging_chunk_bytes=min(staging_mib, 128) << 20,
-                   staging_partitions=1) if staging_mib else {}
+def endpoint_config(engine_id: str, mode: str, poll_s: float, staging_mib: int = 0, ranks: dict | None = None,
+                    producer_tp: int = 1) -> EndpointConfig:
+    """`ranks`: this rank's place in its engine (rank, tp_size, total_kv_heads, and base_port for
+    producer ranks after the first); a consumer rank lends each of the `producer_tp` ranks a partition."""
+    staging = dict(staging_bytes=staging_mib << 20, staging_chunk_bytes=min(staging_mib // producer_tp, 128) << 20,
+                   staging_partitions=producer_tp) if staging_mib else {}
     return EndpointConfig(engine_id=engine_id, mode="push" if mode.startswith("push") else "pull", model="qwen3-32b-bench",
-                          poll_s=poll_s, write_timeout_s=60.0, transfer_timeout_s=300.0, **staging)
+                          poll_s=poll_s, write_timeout_s=60.0, transfer_timeout_s=300.0, **staging, **(ranks or {}))
 
 
 class KvpushPrefill:
-    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0):
-        self.ep = ProducerEndpoint(endpoint_config("P", mode, poll_s, staging_mib), slab.backend).start()
+    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0, ranks: dict | None = None):
+        self.ep = ProducerEndpoint(endpoint_config("P", mode, poll_s, staging_mib, ranks), slab.backend).start()
 
     def hello(self) -> dict:
         host, port = self.ep.address
@@ -53,9 +57,11 @@ class KvpushPrefill:
 
 
 class KvpushDecode:
-    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0):
-        self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s, staging_mib), slab.backend).start()
-        self.ref = ProducerRef("P", prefill_hello["host"], prefill_hello["port"], 1)
+    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0,
+                 ranks: dict | None = None):
+        p_tp = prefill_hello.get("tp", 1)
+        self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s, staging_mib, ranks, p_tp), slab.backend).start()
+        self.ref = ProducerRef("P", prefill_hello["host"], prefill_hello["port"], p_tp)
 
     def start(self, tid: str, blocks: list[int], tokens: int, remote_blocks=None) -> None:
         self.ep.expect(tid, 0, self.ref, blocks, tokens)
@@ -70,7 +76,7 @@ class KvpushDecode:
 class VllmPullPrefill:
     """Source side of vLLM-style pull: blocks stay held until the decode's request-id notification."""
 
-    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0):
+    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0, ranks: dict | None = None):
         slab.backend.bind_thread()
         self.layout = slab.backend.layout()
         self.nixl = NixlTransport("P-vllm", TransportConfig(), progress_thread=False)
@@ -92,7 +98,8 @@ class VllmPullPrefill:
 
 
 class VllmPullDecode:
-    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0):
+    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0,
+                 ranks: dict | None = None):
         import msgspec
 
         from kvpush_common.layout import KVLayout

@@ -34,17 +34,19 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class KVSlab:
     """A slab with a (layers*2, num_blocks, block_bytes) byte view, on `device` (None: host DRAM)."""
 
-    def __init__(self, *, block_size: int, num_blocks: int, device: int | None, geometry: dict):
+    def __init__(self, *, block_size: int, num_blocks: int, device: int | None, geometry: dict, head_offset: int = 0):
+        """`geometry` is this rank's share (num_heads: the heads it holds, from `head_offset` on)."""
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         if device is None:
             from kvpush_common.host_backend import HostBackend
 
-            self.backend = HostBackend(block_size=block_size, num_blocks=num_blocks, **geometry)
+            self.backend = HostBackend(block_size=block_size, num_blocks=num_blocks, head_offset=head_offset, **geometry)
             flat = self.backend.buffer
         else:
             from kvpush_cuda.slab import CudaSlab
 
-            self.backend = CudaSlab(block_size=block_size, num_blocks=num_blocks, device=device, **geometry)
+            self.backend = CudaSlab(block_size=block_size, num_blocks=num_blocks, device=device,
+                                    head_offset=head_offset, **geometry)
             flat = self.backend.tensor
         self.planes = flat.reshape(geometry["num_layers"] * 2, num_blocks, -1)
 
