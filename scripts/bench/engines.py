@@ -165,6 +165,19 @@ def prefill_follower_main(conn, opts: dict) -> None:
     """Prefill rank > 0: runs each step the leader sends, reports the requests whose transfer ended."""
     work, slab, cost = _setup(opts)
     side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], opts.get("staging_mib", 0), opts["ranks"])
+
+    def on_step(m: dict) -> None:
+        work.run(cost.prefill_ms(m["tokens"]))
+        slab.fill(m["blocks"], pattern(m["seq"]))
+        work.sync()
+        side.kv_ready(m["tid"], m["blocks"], m["tokens"])
+        send(conn, ev="stepped")
+
+    _follow(conn, side, on_step, lambda tids: send(conn, ev="ended", tids=tids))
+
+
+def _follow(conn, side, on_op, on_side) -> None:
+    """A follower rank's loop: the leader's ops (until "stop"), and its own connector side's results."""
     send(conn, ev="ready")
     try:
         while True:
@@ -172,14 +185,10 @@ def prefill_follower_main(conn, opts: dict) -> None:
                 for m in inbox(conn):
                     if m["op"] == "stop":
                         return
-                    work.run(cost.prefill_ms(m["tokens"]))  # op "step"
-                    slab.fill(m["blocks"], pattern(m["seq"]))
-                    work.sync()
-                    side.kv_ready(m["tid"], m["blocks"], m["tokens"])
-                    send(conn, ev="stepped")
-            tids = side.poll()
-            if tids:
-                send(conn, ev="ended", tids=tids)
+                    on_op(m)
+            got = side.poll()
+            if got:
+                on_side(got)
     finally:
         side.close()
 
@@ -218,7 +227,7 @@ def decode_main(conn, opts: dict, follower_conns=()) -> None:
     verifying: dict[str, list] = {}  # tid -> [finished message, ranks still checking, blocks]
     running: list[_Req] = []
     steps: list[tuple[float, float, int, int]] = []  # (hook us, forward ms, batch, admitted)
-    verify_planes = slice(None) if opts.get("verify") == "all" else slice(0, None, 31)
+    verify_planes = _verify_planes(opts)
 
     def finish(tid: str) -> None:
         msg, _, blocks = verifying.pop(tid)
@@ -321,28 +330,24 @@ def decode_follower_main(conn, opts: dict) -> None:
     hello = next(m for m in _wait(conn) if m.get("op") == "hello")
     side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello, opts.get("staging_mib", 0),
                                      opts["ranks"])
-    send(conn, ev="ready")
-    verify_planes = slice(None) if opts.get("verify") == "all" else slice(0, None, 31)
-    try:
-        while True:
-            if conn.poll(IDLE_S):
-                for m in inbox(conn):
-                    if m["op"] == "stop":
-                        return
-                    if m["op"] == "start":
-                        side.start(m["tid"], m["blocks"], m["tokens"], m.get("remote_blocks"))
-                    elif m["op"] == "forward":
-                        work.run(cost.decode_ms(m["batch"], m["context"]))
-                        work.sync()
-                        send(conn, ev="stepped")
-                        for tid, seq, blocks in m["verify"]:
-                            send(conn, ev="verified", tid=tid,
-                                 wrong=slab.count_wrong(blocks, pattern(seq), verify_planes))
-            items = side.poll()
-            if items:
-                send(conn, ev="usable", items=items)
-    finally:
-        side.close()
+    verify_planes = _verify_planes(opts)
+
+    def on_op(m: dict) -> None:
+        if m["op"] == "start":
+            side.start(m["tid"], m["blocks"], m["tokens"], m.get("remote_blocks"))
+        elif m["op"] == "forward":
+            work.run(cost.decode_ms(m["batch"], m["context"]))
+            work.sync()
+            send(conn, ev="stepped")
+            for tid, seq, blocks in m["verify"]:
+                send(conn, ev="verified", tid=tid, wrong=slab.count_wrong(blocks, pattern(seq), verify_planes))
+
+    _follow(conn, side, on_op, lambda items: send(conn, ev="usable", items=items))
+
+
+def _verify_planes(opts: dict) -> slice:
+    """Planes (layer x K/V) whose bytes a decode rank checks: all, or every 31st (sample)."""
+    return slice(None) if opts.get("verify") == "all" else slice(0, None, 31)
 
 
 def _wait(conn):
