@@ -62,6 +62,8 @@ class Engine:
         self._follower_ends = [b for _, b in pipes]
         self.proc = ctx.Process(target=target, args=(child, opts, [a for a, _ in pipes]), daemon=True)
         self.proc.start()
+        for end in [child, *(a for a, _ in pipes)]:  # the children hold them: a rank that dies is an EOF
+            end.close()
         self.followers: list = []
 
     def start_followers(self, target, opts_for_rank) -> None:
@@ -69,6 +71,7 @@ class Engine:
         for r, end in enumerate(self._follower_ends, start=1):
             proc = self._ctx.Process(target=target, args=(end, opts_for_rank(r)), daemon=True)
             proc.start()
+            end.close()
             self.followers.append(proc)
 
     def send(self, **msg) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from handoff_modes import decode_side, prefill_side
-from kvslab import QWEN3_32B_RANK, BlockPool, KVSlab, blocks_for, pattern
+from kvslab import QWEN3_32B_RANK, BlockPool, KVSlab, blocks_for
 from workmodel import GpuWork, SleepWork, StepCost
 
 _enc, _dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
@@ -149,7 +149,7 @@ def prefill_main(conn, opts: dict, follower_conns=()) -> None:
             t0 = time.time()
             followers.send(op="step", tid=req["tid"], seq=req["seq"], tokens=req["tokens"], blocks=blocks)
             work.run(cost.prefill_ms(req["tokens"]))
-            slab.fill(blocks, pattern(req["seq"]))
+            slab.fill(blocks, req["seq"])
             work.sync()
             side.kv_ready(req["tid"], blocks, req["tokens"])
             followers.wait_all("stepped", on_follower)
@@ -168,7 +168,7 @@ def prefill_follower_main(conn, opts: dict) -> None:
 
     def on_step(m: dict) -> None:
         work.run(cost.prefill_ms(m["tokens"]))
-        slab.fill(m["blocks"], pattern(m["seq"]))
+        slab.fill(m["blocks"], m["seq"])
         work.sync()
         side.kv_ready(m["tid"], m["blocks"], m["tokens"])
         send(conn, ev="stepped")
@@ -310,7 +310,7 @@ def decode_main(conn, opts: dict, follower_conns=()) -> None:
                 r.generated += 1
             for r in last:
                 running.remove(r)
-                wrong = slab.count_wrong(check[last.index(r)][2], pattern(r.seq), verify_planes) \
+                wrong = slab.count_wrong(check[last.index(r)][2], r.seq, verify_planes) \
                     if opts.get("verify") else -1
                 verifying[r.tid] = [dict(ev="finished", tid=r.tid, ok=True, reason="", t_started=r.t_started,
                                          t_usable_seen=r.t_usable_seen, t_gen_start=r.t_gen_start, t_first=r.t_first,
@@ -340,7 +340,7 @@ def decode_follower_main(conn, opts: dict) -> None:
             work.sync()
             send(conn, ev="stepped")
             for tid, seq, blocks in m["verify"]:
-                send(conn, ev="verified", tid=tid, wrong=slab.count_wrong(blocks, pattern(seq), verify_planes))
+                send(conn, ev="verified", tid=tid, wrong=slab.count_wrong(blocks, seq, verify_planes))
 
     _follow(conn, side, on_op, lambda items: send(conn, ev="usable", items=items))
 

@@ -32,11 +32,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class KVSlab:
-    """A slab with a (layers*2, num_blocks, block_bytes) byte view, on `device` (None: host DRAM)."""
+    """A slab on `device` (None: host DRAM) viewed as (layers*2, num_blocks, heads, head bytes): vLLM's
+    FlashAttention HND block, so each of this rank's heads is one contiguous run inside a block."""
 
     def __init__(self, *, block_size: int, num_blocks: int, device: int | None, geometry: dict, head_offset: int = 0):
         """`geometry` is this rank's share (num_heads: the heads it holds, from `head_offset` on)."""
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
+        self.head_offset, self.num_heads = head_offset, geometry["num_heads"]
         if device is None:
             from kvpush_common.host_backend import HostBackend
 
@@ -48,7 +50,7 @@ class KVSlab:
             self.backend = CudaSlab(block_size=block_size, num_blocks=num_blocks, device=device,
                                     head_offset=head_offset, **geometry)
             flat = self.backend.tensor
-        self.planes = flat.reshape(geometry["num_layers"] * 2, num_blocks, -1)
+        self.heads = flat.reshape(geometry["num_layers"] * 2, num_blocks, self.num_heads, -1)
 
     def _index(self, blocks):
         if self.device is None:
@@ -57,22 +59,36 @@ class KVSlab:
 
         return torch.as_tensor(blocks, device=f"cuda:{self.device}")
 
-    def fill(self, blocks: list[int], value: int) -> None:
-        """What the prefill forward does to these blocks (enqueued on the GPU; no sync)."""
-        if self.device is None:
-            self.planes[:, self._index(blocks), :] = value
+    def _values(self, seq: int) -> list[int]:
+        return [pattern(seq, self.head_offset + h) for h in range(self.num_heads)]
+
+    def fill(self, blocks: list[int], seq: int) -> None:
+        """What the prefill forward does to these blocks: each head gets pattern(seq, its model-wide
+        index), so a head landing on the wrong rank or offset is caught (enqueued on the GPU; no sync)."""
+        fill_heads(self.heads, self._index(blocks), self._values(seq))
+
+    def count_wrong(self, blocks: list[int], seq: int, planes: slice = slice(None)) -> int:
+        """Bytes in these blocks (of the chosen planes) that do not hold request `seq`'s pattern."""
+        return count_wrong_heads(self.heads[planes], self._index(blocks), self._values(seq))
+
+
+def fill_heads(heads, index, values: list[int]) -> None:
+    """heads[:, index, h, :] = values[h], for a numpy array or a torch tensor (in place through views)."""
+    for h, v in enumerate(values):
+        if isinstance(heads, np.ndarray):
+            heads[:, index, h, :] = v
         else:
-            self.planes.index_fill_(1, self._index(blocks), value)
-
-    def count_wrong(self, blocks: list[int], value: int, planes: slice = slice(None)) -> int:
-        """Bytes in these blocks (of the chosen planes) that do not hold `value`."""
-        got = self.planes[planes][:, self._index(blocks), :]
-        return int((got != value).sum())
+            heads[:, :, h, :].index_fill_(1, index, v)
 
 
-def pattern(seq: int) -> int:
-    """Byte written by request number `seq`: consecutive requests differ, never 0 (fresh memory)."""
-    return 1 + seq % 251
+def count_wrong_heads(heads, index, values: list[int]) -> int:
+    return int(sum(int((heads[:, index, h, :] != v).sum()) for h, v in enumerate(values)))
+
+
+def pattern(seq: int, head: int = 0) -> int:
+    """Byte of request number `seq` in model-wide KV head `head`: consecutive requests differ in every
+    head, heads of one request differ (fewer than 251 heads), never 0 (fresh memory)."""
+    return 1 + (seq * 7 + head) % 251
 
 
 def peer_copy_ms(nbytes: int, src: int = 0, dst: int | None = None, reps: int = 10) -> float:
