@@ -13,6 +13,8 @@ from typing import Literal, MutableMapping, Protocol
 
 import numpy as np
 
+from kvpush_common.deploy import parse_range
+
 MemKind = Literal["NEURON", "SYSTEM"]
 
 
@@ -30,13 +32,8 @@ def map_hbm_enabled(env) -> bool:
     return value == "true" or (value.isdigit() and int(value) > 0)
 
 
-def parse_core_list(text: str) -> list[int]:
-    """"0-3", "32-63", "0,2,4-5" -> core ids (NEURON_VISIBLE_DEVICES / NEURON_RT_VISIBLE_CORES syntax)."""
-    cores: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        cores += list(range(int(lo), int(hi or lo) + 1))
-    return cores
+# "0-3", "32-63", "0,2,4-5" -> core ids (NEURON_VISIBLE_DEVICES / NEURON_RT_VISIBLE_CORES syntax)
+parse_core_list = parse_range
 
 
 class NeuronRuntime(Protocol):

@@ -210,31 +210,32 @@ class Chaos:
             self.expect(r)
 
     # ---- results ------------------------------------------------------------------------------
+    def _new_results(self, side, prefix: str):
+        """(request, result, end time) for results of `side`'s live incarnation not yet taken (prefix
+        "p" or "d" names the request's fields for that side)."""
+        if side.stopped:
+            return
+        got = side.proc.call("results")
+        times = {(t, a): s for t, a, s in got["times"]}
+        for res in got["results"]:
+            r = self.reqs.get((res["tid"], res["attempt"]))
+            if r is None or getattr(r, prefix + "_end") is not None or getattr(r, prefix + "_gen") != side.gen:
+                continue
+            yield r, res, times[(r.tid, r.attempt)]
+
     def collect(self) -> None:
         """Take both sides' results; free blocks as an engine would."""
-        if not self.D.stopped:
-            got = self.D.proc.call("results")
-            times = {(t, a): s for t, a, s in got["times"]}
-            for res in got["results"]:
-                r = self.reqs.get((res["tid"], res["attempt"]))
-                if r is None or r.d_end is not None or r.d_gen != self.D.gen:
-                    continue
-                r.d_end, r.ok, r.reason = times[(r.tid, r.attempt)], res["ok"], res["reason"]
-                if r.ok:
-                    d = self.D.proc.call("logical_digest", blocks=r.d_blocks, num_tokens=r.n)["sha256"]
-                    r.intact = d == r.p_digest
-                # the engine reuses the blocks now: overwrite them, as new KV would
-                self.D.proc.call("poison", byte=POISON, blocks=r.d_blocks)
-                self.D.free += r.d_blocks
-        if not self.P.stopped:
-            got = self.P.proc.call("results")
-            times = {(t, a): s for t, a, s in got["times"]}
-            for res in got["results"]:
-                r = self.reqs.get((res["tid"], res["attempt"]))
-                if r is None or r.p_end is not None or r.p_gen != self.P.gen:
-                    continue
-                r.p_end, r.p_outcome = times[(r.tid, r.attempt)], res["outcome"]
-                self.P.free += r.p_blocks
+        for r, res, t in self._new_results(self.D, "d"):
+            r.d_end, r.ok, r.reason = t, res["ok"], res["reason"]
+            if r.ok:
+                d = self.D.proc.call("logical_digest", blocks=r.d_blocks, num_tokens=r.n)["sha256"]
+                r.intact = d == r.p_digest
+            # the engine reuses the blocks now: overwrite them, as new KV would
+            self.D.proc.call("poison", byte=POISON, blocks=r.d_blocks)
+            self.D.free += r.d_blocks
+        for r, res, t in self._new_results(self.P, "p"):
+            r.p_end, r.p_outcome = t, res["outcome"]
+            self.P.free += r.p_blocks
         # blocks of requests whose process died are back with that process's fresh incarnation
         for r in self.reqs.values():
             if r.orphaned_p and r.p_end is None:
