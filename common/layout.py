@@ -7,6 +7,7 @@ msgspec struct with bounded fields.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -33,7 +34,7 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_id: Annotated[int, Meta(ge=0, lt=2**16)] = 0
 
 
-class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The KV cache of one rank: `regions` lists layer 0 K, layer 0 V, layer 1 K, ...
 
     `num_heads` is the number of KV heads held by this rank; `head_offset` is the first global head
@@ -51,10 +52,14 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
     mem_type: Literal["DRAM", "VRAM"] = "DRAM"
     head_offset: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
-    # 2: a K plane and a V plane per layer.  1: one region per layer whose (block, head) rows hold K
-    # and V together (vLLM's CPU cache: [block, head, 2 * block_size, head_size]); `head_dim` is then
-    # the row width, token positions are not addressable inside a block, and only whole blocks move.
+    # 2: a K plane and a V plane per layer.  1: one region per layer whose rows hold K and V together;
+    # `head_dim` is then the row width (2 * head_size).
     kv_planes: Literal[1, 2] = 2
+    # Rows inside a block are (token, head) rows in `order`, so any token of any head is addressable.
+    # False only for kv_planes=1 caches whose rows are not tokens (vLLM's CPU cache keeps a head's K
+    # rows then its V rows in a [block, head] slab): then only whole blocks move, in one block order.
+    # vLLM >= 0.26 CUDA caches, (blocks, heads, block_size, 2 * head_size), hold K|V per row: True.
+    token_rows: bool = True
 
     @property
     def token_bytes(self) -> int:
@@ -75,6 +80,8 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return reg.base, reg.base + (self.num_blocks - 1) * reg.block_stride + self.block_bytes
 
     def validate(self) -> "KVLayout":
+        if not self.token_rows and self.kv_planes != 1:
+            raise LayoutError("token_rows=False describes one-region-per-layer caches only (kv_planes=1)")
         if len(self.regions) != self.kv_planes * self.num_layers:
             raise LayoutError(
                 f"layout has {len(self.regions)} regions for {self.num_layers} layers; expected {self.kv_planes} per layer"
@@ -90,19 +97,19 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def geometry(self) -> tuple:
         """What both sides must agree on whatever their TP size, block size or block order."""
-        return (self.num_layers, self.head_dim, self.dtype, self.dtype_size, self.kv_planes)
+        return (self.num_layers, self.head_dim, self.dtype, self.dtype_size, self.kv_planes, self.token_rows)
 
 
 def check_pairable(src: KVLayout, dst: KVLayout) -> None:
     """Raise LayoutError with the first mismatch that makes a byte-exact copy impossible."""
     if src.geometry() != dst.geometry():
-        names = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes")
+        names = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes", "token_rows")
         diffs = [f"{n}: {a} vs {b}" for n, a, b in zip(names, src.geometry(), dst.geometry()) if a != b]
         raise LayoutError("KV geometry differs between producer and consumer: " + ", ".join(diffs))
     if len(src.regions) != len(dst.regions):
         raise LayoutError(f"region count differs: {len(src.regions)} vs {len(dst.regions)}")
-    if src.kv_planes == 1 and (src.block_size, src.order) != (dst.block_size, dst.order):
-        raise LayoutError("K/V-interleaved layouts move whole blocks only: block size and block order must match "
+    if not src.token_rows and (src.block_size, src.order) != (dst.block_size, dst.order):
+        raise LayoutError("layouts whose rows are not tokens move whole blocks only: block size and block order must match "
                           f"({src.block_size} {src.order} vs {dst.block_size} {dst.order})")
 
 
@@ -160,3 +167,8 @@ def slab_bytes(layout: KVLayout) -> int:
     return max(layout.region_span(r)[1] for r in range(len(layout.regions))) - min(
         reg.base for reg in layout.regions
     )
+
+
+def layer_order(name: str) -> tuple:
+    """Sort key for layer names that orders `layers.2` before `layers.10` (engines list caches by name)."""
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))

@@ -153,7 +153,7 @@ def plan_transfer(
     if num_tokens <= first:
         raise PlanError(f"nothing to copy: num_tokens {num_tokens} <= dst_first_token {first}")
     bs_s, bs_d = src.block_size, dst.block_size
-    if src.kv_planes == 1:  # rows inside a block are not token-addressable: copy whole blocks
+    if not src.token_rows:  # rows inside a block are not tokens: copy whole blocks
         num_tokens = -(-num_tokens // bs_s) * bs_s
     if first % bs_d:
         raise PlanError(f"dst_first_token {first} is not a multiple of the dst block size {bs_d}")

@@ -33,7 +33,7 @@ def whole_block_units(src: KVLayout, dst: KVLayout, route: HeadRoute) -> bool:
     return (src.block_size == dst.block_size and len(src.regions) == len(dst.regions)
             and route.num_heads == src.num_heads == dst.num_heads and src.token_bytes == dst.token_bytes
             and (src.order == dst.order or src.num_heads == 1 or src.block_size == 1)
-            and src.kv_planes == dst.kv_planes)
+            and src.kv_planes == dst.kv_planes and src.token_rows == dst.token_rows)
 
 
 def unit_bytes(layout: KVLayout) -> int:

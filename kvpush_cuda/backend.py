@@ -1,71 +1,55 @@
-"""vLLM's CUDA KV cache tensors described for kvpush (FlashAttention and FlashInfer layouts).
+"""vLLM's CUDA KV cache tensors described for kvpush (every form in `kv_forms`).
 
-Per layer vLLM keeps one 5-D tensor: FlashAttention `(2, num_blocks, block_size, heads, head_size)`
-(K plane, V plane), FlashInfer `(num_blocks, 2, block_size, heads, head_size)` (K and V of a block
-side by side).  Inside a block the physical order is NHD, or HND when the KV cache layout says so
-(then the logical block_size and heads dims carry permuted strides).  Everything is read from shapes
-and strides and checked; an unknown arrangement is refused with the reason.
+The 5-D forms become a K plane and a V plane per layer (`kv_planes=2`); vLLM >= 0.26's packed form,
+whose (token, head) rows hold K then V, becomes one region per layer with `head_dim = 2 * head_size`
+(`kv_planes=1`, token rows: any token and head stays addressable, so block-size mapping and head
+slices for heterogeneous TP work as for the 5-D forms).
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
 
-from kvpush_common.layout import KVLayout, LayoutError, Region
+from kvpush_common.layout import KVLayout, LayoutError, Region, layer_order
 from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 from .device import CudaDevice, sliced_registrations
+from .kv_forms import describe_form
 
 
-def _layer_order(name: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
+def describe_cuda_caches(kv_caches: dict, *, block_size: int, num_heads: int, head_size: int, head_offset: int = 0,
+                         backends: dict[str, str] | None = None) -> tuple[KVLayout, list[tuple[int, int]], int]:
+    """(layout, allocations [(ptr, nbytes)], device index) of vLLM's per-layer KV tensors.
 
-
-def describe_cuda_caches(kv_caches: dict[str, torch.Tensor], *, block_size: int, num_heads: int, head_size: int,
-                         head_offset: int = 0) -> tuple[KVLayout, list[tuple[int, int]], int]:
-    """(layout, allocations [(ptr, nbytes)], device index) of vLLM's per-layer KV tensors."""
-    names = sorted(kv_caches, key=_layer_order)
+    `backends` maps layer names to their attention backend's name, for the error of a refused layout."""
+    if not kv_caches:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    names = sorted(kv_caches, key=layer_order)
+    backends = backends or {}
+    for name in names:
+        if not isinstance(kv_caches[name], torch.Tensor):
+            raise LayoutError(f"layer {name} holds {type(kv_caches[name]).__name__}, not one KV tensor (attention "
+                              f"backend {backends.get(name, 'unknown')}): hybrid state caches are not supported")
     t0 = kv_caches[names[0]]
-    if t0.dim() != 5:
-        raise LayoutError(f"expected 5-D KV tensors, got shape {tuple(t0.shape)} for {names[0]}")
+    form = describe_form(t0, block_size=block_size, num_heads=num_heads, head_size=head_size,
+                         backend=backends.get(names[0], "unknown"))
     shape, stride, e = tuple(t0.shape), t0.stride(), t0.element_size()
-    if shape[0] == 2 and shape[2:] in ((block_size, num_heads, head_size),):
-        kv_dim, blk_dim = 0, 1  # FlashAttention
-    elif shape[1] == 2 and shape[2:] == (block_size, num_heads, head_size):
-        kv_dim, blk_dim = 1, 0  # FlashInfer
-    else:
-        raise LayoutError(f"KV tensor shape {shape} is neither (2, blocks, {block_size}, {num_heads}, {head_size}) "
-                          f"nor (blocks, 2, {block_size}, {num_heads}, {head_size})")
-    s_tok, s_head, s_dim = stride[2], stride[3], stride[4]
-    if s_dim != 1:
-        raise LayoutError(f"head_size is not the innermost dimension (strides {stride})")
-    if (s_tok, s_head) == (num_heads * head_size, head_size):
-        order = "NHD"
-    elif (s_tok, s_head) == (head_size, block_size * head_size):
-        order = "HND"
-    else:
-        raise LayoutError(f"block interior is neither NHD nor HND packed (strides {stride})")
-    block_elems = block_size * num_heads * head_size
-    if stride[blk_dim] < block_elems or stride[kv_dim] < block_elems:
-        raise LayoutError(f"blocks or K/V planes overlap (strides {stride})")
     regions, allocations = [], {}
     for name in names:
         t = kv_caches[name]
         if tuple(t.shape) != shape or t.stride() != stride or t.dtype != t0.dtype or t.device != t0.device:
-            raise LayoutError(f"KV tensor {name} differs from {names[0]} in shape, stride, dtype or device")
+            raise LayoutError(f"KV tensor {name} (shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}, {t.device}) "
+                              f"differs from {names[0]} (shape {shape}, strides {stride}, {t0.dtype}, {t0.device})")
         st = t.untyped_storage()
         allocations[st.data_ptr()] = st.nbytes()
-        base = t.data_ptr()
-        for plane in range(2):
-            regions.append(Region(base=base + plane * stride[kv_dim] * e, block_stride=stride[blk_dim] * e))
+        for plane in range(form.kv_planes):
+            regions.append(Region(base=t.data_ptr() + plane * form.plane_stride * e, block_stride=form.block_stride * e))
     device = t0.device.index or 0
-    layout = KVLayout(num_layers=len(names), num_heads=num_heads, head_dim=head_size, dtype_size=e,
-                      dtype=str(t0.dtype).removeprefix("torch."), block_size=block_size, num_blocks=shape[blk_dim],
-                      order=order, regions=regions, mem_type="VRAM" if t0.is_cuda else "DRAM",
-                      head_offset=head_offset).validate()
+    layout = KVLayout(num_layers=len(names), num_heads=num_heads, head_dim=form.row, dtype_size=e,
+                      dtype=str(t0.dtype).removeprefix("torch."), block_size=block_size, num_blocks=form.num_blocks,
+                      order=form.order, regions=regions, mem_type="VRAM" if t0.is_cuda else "DRAM",
+                      head_offset=head_offset, kv_planes=form.kv_planes).validate()
     return layout, sorted(allocations.items()), device
 
 
@@ -75,9 +59,10 @@ class CudaKVCache(TensorStagingMixin, CudaDevice):
     name = "cuda"
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int, *, block_size: int, num_heads: int,
-                 head_size: int):
+                 head_size: int, backends: dict[str, str] | None = None):
         layout, allocations, device = describe_cuda_caches(kv_caches, block_size=block_size, num_heads=num_heads,
-                                                           head_size=head_size, head_offset=head_offset)
+                                                           head_size=head_size, head_offset=head_offset,
+                                                           backends=backends)
         super().__init__(device)
         self._kv_caches = kv_caches
         self._layout, self._regs = sliced_registrations(layout, allocations, device)

@@ -1,9 +1,10 @@
 """vLLM entry class for GPUs: `"kv_connector": "KVPushCudaConnector",
 "kv_connector_module_path": "kvpush_cuda.connector"`.
 
-It is KVPushConnector with the CUDA device backend bound: vLLM's FlashAttention/FlashInfer KV
-tensors registered as VRAM (at most 4 GiB per registration), the CUDA device bound on the NIXL
-thread, and a CUDA event per step fencing each WRITE.
+It is KVPushConnector with the CUDA device backend bound: vLLM's CUDA KV tensors (every form in
+`kv_forms`: FlashAttention, FlashInfer, Triton; 5-D or packed 4-D) registered as VRAM (at most 4 GiB
+per registration), the CUDA device bound on the NIXL thread, and a CUDA event per step fencing each
+WRITE.  A form it cannot read fails the start-up, naming shape, strides and attention backend.
 """
 
 from __future__ import annotations
@@ -30,9 +31,30 @@ class KVPushCudaConnector(KVPushConnector):
             self._worker.settings = self.settings
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
+        import torch
+
+        from kvpush_common.layout import LayoutError
+
         from .backend import CudaKVCache
 
+        first = next(iter(kv_caches.values()), None)
+        if isinstance(first, torch.Tensor) and not first.is_cuda:
+            raise LayoutError(f"KVPushCudaConnector got KV tensors on {first.device}: on vLLM's CPU build use "
+                              "KVPushConnector (kvpush_common.vllm.connector), whose layout reader knows the CPU cache")
         cfg = self._vllm_config
         heads = max(1, cfg.model_config.get_total_num_kv_heads() // cfg.parallel_config.tensor_parallel_size)
         return CudaKVCache(kv_caches, head_offset, block_size=cfg.cache_config.block_size, num_heads=heads,
-                           head_size=cfg.model_config.get_head_size())
+                           head_size=cfg.model_config.get_head_size(), backends=attention_backends(cfg, kv_caches))
+
+
+def attention_backends(vllm_config, layer_names) -> dict[str, str]:
+    """Each layer's attention backend name (vLLM's static forward context), for start-up errors only."""
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    out = {}
+    for name in layer_names:
+        backend = getattr(ctx.get(name), "attn_backend", None)
+        try:
+            out[name] = backend.get_name() if backend is not None else "unknown"
+        except Exception:
+            out[name] = getattr(backend, "__name__", "unknown")
+    return out

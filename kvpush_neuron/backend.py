@@ -8,12 +8,11 @@ registration, as vLLM registers Neuron KV.  Block ids: vLLM's null block 0 is th
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 
 from kvpush_common.device import DeviceBackend
-from kvpush_common.layout import KVLayout, LayoutError, Region
+from kvpush_common.layout import KVLayout, LayoutError, Region, layer_order
 
 from .runtime import NeuronRuntime
 from .startup import check_hbm_mapped, check_launch_env, check_runtime_ready
@@ -42,10 +41,6 @@ def strip_block_sentinels(block_ids, num_blocks: int) -> list[int]:
     return ids
 
 
-def _layer_order(name: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
-
-
 def _planes(name: str, cache) -> tuple:
     """(K, V) 4-D plane tensors of one layer's cache."""
     if isinstance(cache, (list, tuple)):
@@ -63,7 +58,7 @@ def describe_neuron_caches(kv_caches: dict, runtime: NeuronRuntime, *, block_siz
     """(layout, registrations (N, 3) [addr, len, device], device index) of the plugin's KV tensors."""
     if not kv_caches:
         raise LayoutError("no KV caches to describe")
-    names = sorted(kv_caches, key=_layer_order)
+    names = sorted(kv_caches, key=layer_order)
     k0 = _planes(names[0], kv_caches[names[0]])[0]
     if k0.dim() != 4:
         raise LayoutError(f"{names[0]}: K plane shape {tuple(k0.shape)} is not "

@@ -85,7 +85,7 @@ def test_out_of_range_and_duplicate_ids_are_refused():
 
 
 def test_kv_interleaved_layouts_move_whole_blocks():
-    """vLLM's CPU cache (K rows then V rows per block and head) is kv_planes=1: whatever the token count,
+    """vLLM's CPU cache (K rows then V rows per block and head) is kv_planes=1 with token_rows=False: whatever the token count,
     whole blocks move, on both planning paths, and mismatched block sizes are refused."""
     from kvpush_common.layout import KVLayout, Region
     from kvpush_common.planner import plan_transfer
@@ -93,7 +93,7 @@ def test_kv_interleaved_layouts_move_whole_blocks():
     def side(base, bs=4, nblk=4):
         row = 8  # 2 * head_size bytes-wide rows (dtype_size 1 for simplicity)
         return KVLayout(num_layers=2, num_heads=2, head_dim=row, dtype_size=1, dtype="int8", block_size=bs,
-                        num_blocks=nblk, order="HND", kv_planes=1,
+                        num_blocks=nblk, order="HND", kv_planes=1, token_rows=False,
                         regions=[Region(base + layer * nblk * 2 * bs * row, 2 * bs * row) for layer in range(2)])
 
     src, dst = side(0), side(1 << 20)

@@ -2,27 +2,23 @@
 
 vLLM's CPU attention keeps one tensor per layer shaped [num_blocks, num_kv_heads, block_size,
 2 * head_size] (layout LBHNC): each (block, head) row block holds that head's K rows then its V rows.
-kvpush describes it as one region per layer (`kv_planes=1`) and moves whole blocks.
+kvpush describes it as one region per layer (`kv_planes=1`) whose rows are not tokens
+(`token_rows=False`), and moves whole blocks.
 """
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import torch
 
 from ..device import DeviceBackend
-from ..layout import KVLayout, LayoutError, Region
+from ..layout import KVLayout, LayoutError, Region, layer_order
 from .tensor_staging import TensorStagingMixin
 
 
-def _layer_order(name: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
-
-
 def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) -> tuple[KVLayout, np.ndarray]:
-    names = sorted(kv_caches, key=_layer_order)
+    names = sorted(kv_caches, key=layer_order)
     first = kv_caches[names[0]]
     if first.dim() != 4 or first.device.type != "cpu":
         raise LayoutError(f"expected 4-D CPU KV tensors [blocks, heads, block_size, 2*head_size], got "
@@ -42,7 +38,8 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) ->
         regions.append(Region(base=t.data_ptr(), block_stride=nh * bs * row * e, mem_id=mem_id, device_id=0))
     layout = KVLayout(num_layers=len(names), num_heads=nh, head_dim=row, dtype_size=e,
                       dtype=str(first.dtype).removeprefix("torch."), block_size=bs, num_blocks=nb, order="HND",
-                      regions=regions, mem_type="DRAM", head_offset=head_offset, kv_planes=1).validate()
+                      regions=regions, mem_type="DRAM", head_offset=head_offset, kv_planes=1,
+                      token_rows=False).validate()
     seen, regs = set(), []
     for name in names:
         st = kv_caches[name].untyped_storage()

