@@ -208,8 +208,7 @@ class Cluster:
         port = self.ports(1)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--served-model-name", "m", "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
-                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.max_model_len),
-                "--disable-log-stats"]
+                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.max_model_len)]
         if self.gpus:
             argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization),
                      "--kv-cache-memory-bytes", str(int(a.kv_cache_gib * (1 << 30)))]
@@ -347,6 +346,7 @@ def markdown(result: dict) -> str:
     meta, s = result["meta"], result["summary"]
     lines = [f"# Real vLLM {meta.get('vllm_version')} on {meta.get('device')}: kvpush vs vLLM NIXL connectors", "",
              f"Command: `{meta['command']}`", "",
+             *([f"How it ran on the GPU machine: {meta['how_run']}", ""] if meta.get("how_run") else []),
              f"Model: {meta['shape']} shape, dummy weights, bf16; {meta['output_tokens']} output tokens, greedy, "
              f"ignore_eos; {meta['gpus']} GPU(s){' (P, D and single share GPU 0)' if meta['gpus'] < 2 else ''}; "
              f"{'--enforce-eager' if meta['eager'] or not meta['gpus'] else 'torch.compile + CUDA graphs'}.", "",
@@ -357,6 +357,8 @@ def markdown(result: dict) -> str:
                      f"{p['ttft_p50_ms']} | {p['ttft_p99_ms']} | {p['tpot_p50_ms']} | {p['tpot_p99_ms']} |")
     lines += ["", "Summary (ratios over points measured in this run, side by side):", "", "```json",
               json.dumps(s, indent=1), "```"]
+    if result.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
 
