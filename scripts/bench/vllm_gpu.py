@@ -191,12 +191,30 @@ def kv_config(mode: str, role: str, side_port: int, metrics_port: int, gpus: int
             "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
 
 
+def free_base(span: int) -> int:
+    """A port p with p .. p+span-1 bindable, below the kernel's ephemeral range (those any outgoing
+    connection may take between our choice and the server's bind)."""
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000 - span)
+        try:
+            for q in range(p, p + span):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} free consecutive ports in [20000, 32000)")
+
+
 class Cluster:
     """Starts `vllm serve` instances and routers; ports from `base_port` up, one block per instance."""
 
     def __init__(self, args, model: Path, logdir: Path, gpus: int):
         self.args, self.model, self.logdir, self.gpus = args, model, logdir, gpus
-        self._next = args.base_port
+        self._next = args.base_port or free_base(64)
         self.procs: list[Proc] = []
 
     def ports(self, n: int) -> int:
@@ -418,7 +436,7 @@ def main() -> int:
     ap.add_argument("--limit-s", type=float, default=120.0, help="a request with no answer by then counts as hung")
     ap.add_argument("--startup-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--base-port", type=int, default=21000)
+    ap.add_argument("--base-port", type=int, default=21000, help="first of 64 ports used (0: any free range)")
     ap.add_argument("--workdir", default="/tmp/kvpush-vllm-bench")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--name", default="h200-vllm")
