@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpush_common.layout import KVLayout, LayoutError, Region, layer_order
+from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_order
 from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 from .device import CudaDevice, sliced_registrations

@@ -9,7 +9,7 @@ WRITE.  A form it cannot read fails the start-up, naming shape, strides and atte
 
 from __future__ import annotations
 
-from kvpush_common.device import DeviceBackend
+from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.vllm.connector import KVPushConnector
 
 
@@ -33,7 +33,7 @@ class KVPushCudaConnector(KVPushConnector):
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         import torch
 
-        from kvpush_common.layout import LayoutError
+        from kvpush_common.protocol.layout import LayoutError
 
         from .backend import CudaKVCache
 

@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common import deploy
-from kvpush_common.deploy import Check, LaunchPlan
+from kvpush_common.ops import deploy
+from kvpush_common.ops.deploy import Check, LaunchPlan
 
 from .efa import efa_preflight
 

@@ -6,8 +6,8 @@ import msgspec
 import numpy as np
 import torch
 
-from kvpush_common.device import DeviceBackend
-from kvpush_common.layout import KVLayout, LayoutError
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.protocol.layout import KVLayout, LayoutError
 
 
 class CudaDevice(DeviceBackend):

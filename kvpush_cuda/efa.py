@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.efa import SYSFS_RDMA, EfaPreflightError, common_efa_problems, efa_devices
-from kvpush_common.transport import TransportConfig
+from kvpush_common.transport.efa import SYSFS_RDMA, EfaPreflightError, common_efa_problems, efa_devices
+from kvpush_common.transport.nixl import TransportConfig
 
 __all__ = ["EfaPreflightError", "choose_transport", "efa_devices", "efa_preflight"]
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from kvpush_common.layout import LayoutError
+from kvpush_common.protocol.layout import LayoutError
 
 # logical dim names: kv = the K/V selector (size 2), block, token (block_size), head, dim (head_size),
 # kvdim (2 * head_size: K then V of one token and head)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpush_common.layout import BlockOrder, KVLayout, contiguous_layout, slab_bytes
-from kvpush_common.staging import plane_grid, unit_bytes
+from kvpush_common.protocol.layout import BlockOrder, KVLayout, contiguous_layout, slab_bytes
+from kvpush_common.plan.staging import plane_grid, unit_bytes
 
 from .device import CudaDevice, sliced_registrations
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush_common.device import DeviceBackend
-from kvpush_common.layout import KVLayout, LayoutError, Region, layer_order
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_order
 
 from .runtime import NeuronRuntime
 from .startup import check_hbm_mapped, check_launch_env, check_runtime_ready

@@ -19,7 +19,7 @@ import logging
 from collections import OrderedDict
 from typing import Callable
 
-from kvpush_common.device import DeviceBackend
+from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.vllm.connector import KVPushConnector
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common import deploy
-from kvpush_common.deploy import Check, LaunchPlan
+from kvpush_common.ops import deploy
+from kvpush_common.ops.deploy import Check, LaunchPlan
 
 from .efa import TRN2_PHYSICAL_CORES_PER_CHIP, TRN2_EFA_PER_INSTANCE, cores_per_chip, neuron_efa_preflight
 from .runtime import map_hbm_enabled, parse_core_list

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.efa import SYSFS_RDMA, EfaPreflightError, efa_devices, env_and_library_problems
-from kvpush_common.transport import TransportConfig
+from kvpush_common.transport.efa import SYSFS_RDMA, EfaPreflightError, efa_devices, env_and_library_problems
+from kvpush_common.transport.nixl import TransportConfig
 
 from .runtime import parse_core_list
 

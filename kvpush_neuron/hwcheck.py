@@ -25,7 +25,7 @@ P_BLOCKS, D_BLOCKS, TOKENS, SEED = [3, 9, 1], [12, 0, 7], 96, 1234
 
 def _side(sim: bool, core: int):
     """(slab, transport config) after the start-up sequence."""
-    from kvpush_common.transport import TransportConfig
+    from kvpush_common.transport.nixl import TransportConfig
 
     from .runtime import RealNeuronRuntime
     from .slab import NeuronSlab, ready_sim_runtime
@@ -51,8 +51,8 @@ def _wait(ep, seconds: float = 60.0):
 
 
 def run_producer(sim: bool, core: int) -> dict:
-    from kvpush_common.config import EndpointConfig
-    from kvpush_common.producer import ProducerEndpoint
+    from kvpush_common.endpoint.config import EndpointConfig
+    from kvpush_common.endpoint.producer import ProducerEndpoint
 
     slab, transport = _side(sim, core)
     slab.write_bytes(np.random.default_rng(SEED).integers(0, 256, slab.read_bytes().size, dtype=np.uint8))
@@ -66,8 +66,8 @@ def run_producer(sim: bool, core: int) -> dict:
 
 
 def run_consumer(sim: bool, core: int, port: int) -> dict:
-    from kvpush_common.config import EndpointConfig
-    from kvpush_common.consumer import ConsumerEndpoint, ProducerRef
+    from kvpush_common.endpoint.config import EndpointConfig
+    from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
 
     slab, transport = _side(sim, core)
     slab.write_bytes(np.full(slab.read_bytes().size, 0xAB, dtype=np.uint8))

@@ -13,7 +13,7 @@ from typing import Literal, MutableMapping, Protocol
 
 import numpy as np
 
-from kvpush_common.deploy import parse_range
+from kvpush_common.device.ranges import parse_range
 
 MemKind = Literal["NEURON", "SYSTEM"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush_common.layout import contiguous_layout, slab_bytes
+from kvpush_common.protocol.layout import contiguous_layout, slab_bytes
 
 from .backend import DEFAULT_BLOCK_SIZE, NeuronKVCache
 from .runtime import NeuronRuntime, SimulatedNeuronRuntime

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
+from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 LINE = "    result = compute(value, factor=2)\n"  # ~10 tokens

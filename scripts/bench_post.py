@@ -23,10 +23,10 @@ import numpy as np
 os.environ.setdefault("UCX_MODULES", "^ib")
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
-from kvpush_common.blockplan import plan_blocks, unit_table  # noqa: E402
-from kvpush_common.layout import contiguous_layout, slab_bytes  # noqa: E402
-from kvpush_common.planner import plan_transfer  # noqa: E402
-from kvpush_common.topology import HeadRoute  # noqa: E402
+from kvpush_common.plan.blockplan import plan_blocks, unit_table  # noqa: E402
+from kvpush_common.protocol.layout import contiguous_layout, slab_bytes  # noqa: E402
+from kvpush_common.plan.planner import plan_transfer  # noqa: E402
+from kvpush_common.protocol.topology import HeadRoute  # noqa: E402
 
 
 def median_ms(fn, reps):

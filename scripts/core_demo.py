@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from procs import PeerProcess  # noqa: E402
+from kvpush_common.testing.procs import PeerProcess  # noqa: E402
 
 GEO = dict(num_layers=4, num_heads=2, head_dim=64, dtype="bfloat16", dtype_size=2, block_size=16, num_blocks=2048)
 

@@ -19,10 +19,9 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
+from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
 
-from kvpush_common.events import read_events  # noqa: E402
+from kvpush_common.endpoint.events import read_events  # noqa: E402
 
 GEN = {"model": "tiny", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [

@@ -1,6 +1,5 @@
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _has_gpu() -> bool:

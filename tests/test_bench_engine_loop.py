@@ -1,5 +1,6 @@
 """The engine-loop benchmark keeps working: a tiny CPU sweep over real NIXL in every handoff mode."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -67,9 +68,11 @@ def test_slab_patterns_are_per_model_wide_head_in_the_layouts_own_byte_order():
     block holds pattern(seq, model-wide head), read back here through the independent layout reference."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "scripts/bench"))
-    from kvslab import KVSlab, count_wrong_heads, fill_heads, pattern
-    from kvref import logical_view
+    spec = importlib.util.spec_from_file_location("kvslab", ROOT / "scripts/bench/kvslab.py")
+    kvslab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kvslab)
+    KVSlab, count_wrong_heads, fill_heads, pattern = kvslab.KVSlab, kvslab.count_wrong_heads, kvslab.fill_heads, kvslab.pattern
+    from kvpush_common.testing.kvref import logical_view
 
     geo = dict(num_layers=2, num_heads=3, head_dim=4, dtype="bfloat16", dtype_size=2)
     slab = KVSlab(block_size=4, num_blocks=6, device=None, geometry=geo, head_offset=5)

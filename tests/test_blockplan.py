@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush_common.blockplan import block_granular, plan_blocks, unit_table
-from kvpush_common.layout import contiguous_layout, slab_bytes
-from kvpush_common.planner import PlanError
-from kvpush_common.topology import routes
-from kvref import logical_view
+from kvpush_common.plan.blockplan import block_granular, plan_blocks, unit_table
+from kvpush_common.protocol.layout import contiguous_layout, slab_bytes
+from kvpush_common.plan.planner import PlanError
+from kvpush_common.protocol.topology import routes
+from kvpush_common.testing.kvref import logical_view
 
 
 def _side(rng, *, heads, bs, order, blocks_first, num_blocks, geo):
@@ -87,8 +87,8 @@ def test_out_of_range_and_duplicate_ids_are_refused():
 def test_kv_interleaved_layouts_move_whole_blocks():
     """vLLM's CPU cache (K rows then V rows per block and head) is kv_planes=1 with token_rows=False: whatever the token count,
     whole blocks move, on both planning paths, and mismatched block sizes are refused."""
-    from kvpush_common.layout import KVLayout, Region
-    from kvpush_common.planner import plan_transfer
+    from kvpush_common.protocol.layout import KVLayout, Region
+    from kvpush_common.plan.planner import plan_transfer
 
     def side(base, bs=4, nblk=4):
         row = 8  # 2 * head_size bytes-wide rows (dtype_size 1 for simplicity)
@@ -116,7 +116,7 @@ def _apply_rows(buf_s, buf_d, plan):
 @given(data=st.data())
 def test_merged_runs_copy_the_same_bytes_as_per_block_plans(data):
     """plan_write's merged block runs move exactly what the per-block plan moves, in fewer descriptors."""
-    from kvpush_common.blockplan import merge_runs, plan_write
+    from kvpush_common.plan.blockplan import merge_runs, plan_write
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     total = data.draw(st.sampled_from([1, 2, 4]))
@@ -161,7 +161,7 @@ def test_merged_runs_copy_the_same_bytes_as_per_block_plans(data):
 
 
 def test_consecutive_blocks_merge_into_one_descriptor_per_region():
-    from kvpush_common.blockplan import merge_runs
+    from kvpush_common.plan.blockplan import merge_runs
 
     geo = dict(num_layers=4, num_heads=1, head_dim=8, block_size=16, num_blocks=64)
     src, dst = contiguous_layout(0, **geo), contiguous_layout(1 << 30, **geo)

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpush_common.completion import Completion, Received, SendRevoke
-from kvpush_common.identity import TransferKey
+from kvpush_common.state.completion import Completion, Received, SendRevoke
+from kvpush_common.protocol.identity import TransferKey
 
 TIMEOUT = 60.0
 FENCE = 45.0

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from procs import PeerProcess
+from kvpush_common.testing.procs import PeerProcess
 
 pytestmark = pytest.mark.nixl
 
@@ -70,7 +70,7 @@ class Cluster:
     def start(self, *, total_heads=2, p_tp=1, d_tp=1, p_block=16, d_block=16, p_order="HND", d_order="HND",
               p_blocks_first=False, d_blocks_first=False, num_blocks=32, p_cfg=None, d_cfg=None,
               p_faults=None, d_faults=None):
-        from kvpush_common.topology import local_heads
+        from kvpush_common.protocol.topology import local_heads
 
         self.p_tp = p_tp
         procs = []

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvpush_common.layout import LayoutError, check_pairable, contiguous_layout
-from kvpush_common.planner import PlanError, plan_transfer
-from kvpush_common.blockplan import block_granular, plan_blocks
-from kvpush_common.topology import HeadRoute, routes
+from kvpush_common.protocol.layout import LayoutError, check_pairable, contiguous_layout
+from kvpush_common.plan.planner import PlanError, plan_transfer
+from kvpush_common.plan.blockplan import block_granular, plan_blocks
+from kvpush_common.protocol.topology import HeadRoute, routes
 from kvpush_cuda.backend import describe_cuda_caches
 from kvpush_cuda.device import sliced_registrations
-from kvref import apply_plan
+from kvpush_common.testing.kvref import apply_plan
 
 BS, H, D = 4, 2, 8  # block size, KV heads, head size (vLLM needs block sizes of 16k on GPUs; shapes are what count)
 

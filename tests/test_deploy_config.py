@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from kvpush_common import cli, deploy
-from kvpush_common.deploy import LaunchPlan, device_slice, format_range, parse_range
+from kvpush_common.ops import cli, deploy
+from kvpush_common.ops.deploy import LaunchPlan, device_slice, format_range, parse_range
 
 
 def config(capsys, *argv) -> str:

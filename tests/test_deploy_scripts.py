@@ -93,7 +93,7 @@ def check_common(out: str, tmp_path: Path, target: str, n_prefill: int, n_decode
 
 
 def neuron_cores(s) -> set[int]:
-    from kvpush_common.deploy import parse_range
+    from kvpush_common.ops.deploy import parse_range
 
     return set(parse_range(s["env"]["NEURON_VISIBLE_DEVICES"]))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush_common import cli, deploy
+from kvpush_common.ops import cli, deploy
 from kvpush_cuda.deploy_config import cuda_checks
 from kvpush_neuron.deploy_config import neuron_checks
 
@@ -47,7 +47,7 @@ def plan_json(capsys, target, *argv):
 
 @pytest.mark.skipif(HERE_HAS_NEURON or HERE_HAS_EFA, reason="this test expects a host without Neuron and EFA")
 def test_neuron_doctor_here_fails_and_says_why(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvpush_common.cli", "doctor", "--target", "neuron"],
+    out = subprocess.run([sys.executable, "-m", "kvpush_common.ops.cli", "doctor", "--target", "neuron"],
                          capture_output=True, text=True, env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0-3"})
     assert out.returncode == 1, out.stderr
     text = out.stdout

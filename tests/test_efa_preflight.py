@@ -51,7 +51,7 @@ def test_libfabric_requested_on_a_host_without_efa_fails_at_start_up(tmp_path):
 
 
 def test_libfabric_version_reads_fi_version():
-    from kvpush_common.efa import libfabric_version
+    from kvpush_common.transport.efa import libfabric_version
 
     class Lib:
         class fi_version:  # noqa: N801 - mimics the ctypes function attribute

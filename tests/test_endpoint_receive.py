@@ -2,11 +2,11 @@
 
 import pytest
 
-from kvpush_common.config import EndpointConfig
-from kvpush_common.consumer import ConsumerEndpoint
-from kvpush_common.endpoint import Peer
-from kvpush_common.host_backend import HostBackend
-from kvpush_common.wire import Codec, Register, WriteDone
+from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.endpoint.consumer import ConsumerEndpoint
+from kvpush_common.endpoint.base import Peer
+from kvpush_common.device.host import HostBackend
+from kvpush_common.protocol.wire import Codec, Register, WriteDone
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvref import apply_plan, expected_after_copy, logical_view
+from kvpush_common.testing.kvref import apply_plan, expected_after_copy, logical_view
 
-from kvpush_common.layout import LayoutError, contiguous_layout
-from kvpush_common.planner import plan_transfer
-from kvpush_common.topology import HeadRoute, routes
+from kvpush_common.protocol.layout import LayoutError, contiguous_layout
+from kvpush_common.plan.planner import plan_transfer
+from kvpush_common.protocol.topology import HeadRoute, routes
 from kvpush_neuron.backend import BlockIdError, NeuronKVCache, describe_neuron_caches, strip_block_sentinels
 from kvpush_neuron.efa import (EfaPreflightError, neuron_efa_preflight, neuron_transport, rank_rails,
                                cores_per_chip, efa_devices)

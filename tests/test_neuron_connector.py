@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
-from kvpush_common.vllm.params import ProducerIdentity
+from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_neuron.backend import NeuronKVCache
 from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
 from kvpush_neuron.runtime import SimulatedNeuronRuntime

@@ -63,7 +63,7 @@ def test_without_map_hbm_the_backend_refuses():
 def test_plugin_layout_registers_with_nixl_libfabric_as_vram():
     out = run_fresh("""
         import json
-        from kvpush_common.transport import NixlTransport
+        from kvpush_common.transport.nixl import NixlTransport
         from kvpush_neuron.efa import neuron_transport
         from kvpush_neuron.runtime import RealNeuronRuntime
         from kvpush_neuron.slab import NeuronSlab

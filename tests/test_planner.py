@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush_common.layout import KVLayout, LayoutError, Region, contiguous_layout
-from kvpush_common.planner import PlanError, TransferPlan, plan_transfer
-from kvpush_common.topology import HeadRoute, local_heads, routes
+from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, contiguous_layout
+from kvpush_common.plan.planner import PlanError, TransferPlan, plan_transfer
+from kvpush_common.protocol.topology import HeadRoute, local_heads, routes
 
-from kvref import apply_plan, expected_after_copy, logical_index, logical_view, make_layout
+from kvpush_common.testing.kvref import apply_plan, expected_after_copy, logical_index, logical_view, make_layout
 
 POISON = 0xFF
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 128)
@@ -323,7 +323,7 @@ def test_contiguous_layout_real_buffer():
     s = contiguous_layout(4096, num_layers=2, num_heads=4, head_dim=8, block_size=16, num_blocks=8, order="HND")
     d = contiguous_layout(src_buf.ctypes.data, num_layers=2, num_heads=2, head_dim=8, block_size=32, num_blocks=4,
                           order="NHD", blocks_first=True)
-    from kvpush_common.layout import slab_bytes
+    from kvpush_common.protocol.layout import slab_bytes
 
     for route in [r for r in routes(8, 2, 4) if r.src_rank == 0]:
         check_plan(s, 4096, slab_bytes(s), d, src_buf.ctypes.data, slab_bytes(d), route, [3, 1, 6], [2, 0],

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpush_common.identity import AttemptFloor, TransferKey
-from kvpush_common.rendezvous import (Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck,
+from kvpush_common.protocol.identity import AttemptFloor, TransferKey
+from kvpush_common.state.rendezvous import (Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck,
                                       StartWrite)
-from kvpush_common.wire import Register
+from kvpush_common.protocol.wire import Register
 
 LEASE = 10.0
 TTL_MS = 5_000

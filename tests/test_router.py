@@ -13,11 +13,11 @@ import pytest
 from aiohttp import ClientTimeout, web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvpush_common.router import (
+from kvpush_common.router.app import (
     NixlProducer, ROUTER_KEY, RouterConfig, StartupError, build_app, decode_body, nixl_prefill_params, nixl_push_decode_params,
     prefill_body, push_decode_params, push_prefill_params,
 )
-from kvpush_common.vllm.params import ProducerIdentity
+from kvpush_common.protocol.legs import ProducerIdentity
 
 IDENTITY = {"engine_id": "prefill-0", "host": "10.0.0.7", "port": 5600, "tp_size": 2}
 NIXL_COORDS = {"remote_engine_id": "nixl-p", "remote_host": "10.0.0.8", "remote_port": 5700, "tp_size": 4,

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush_common.host_backend import HostBackend
-from kvpush_common.layout import KVLayout, Region, contiguous_layout
-from kvpush_common.planner import PlanError
-from kvpush_common.staging import SlotPool, StagedWrite, blocks_per_chunk, plane_grid, staged_pairs
+from kvpush_common.device.host import HostBackend
+from kvpush_common.protocol.layout import KVLayout, Region, contiguous_layout
+from kvpush_common.plan.planner import PlanError
+from kvpush_common.plan.staging import SlotPool, StagedWrite, blocks_per_chunk, plane_grid, staged_pairs
 
 
 @settings(max_examples=60, deadline=None)

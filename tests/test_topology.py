@@ -1,7 +1,7 @@
 
 import pytest
 
-from kvpush_common.topology import (
+from kvpush_common.protocol.topology import (
     HeadRoute,
     TopologyError,
     local_heads,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvpush_common.faults import FaultPlan, FaultyTransport
-from kvpush_common.transport import NixlTransport, TransportConfig, TransportError
+from kvpush_common.testing.faults import FaultPlan, FaultyTransport
+from kvpush_common.transport.nixl import NixlTransport, TransportConfig, TransportError
 
 
 def test_progress_thread_defaults_follow_measurements():

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 from kvpush_common.vllm import compat  # noqa: E402
 from kvpush_common.vllm.compat import Features, LoadErrors, parse_version  # noqa: E402
 from kvpush_common.vllm.metadata import KVPushMetadata, RecvOp  # noqa: E402
-from kvpush_common.vllm.params import ProducerIdentity  # noqa: E402
+from kvpush_common.protocol.legs import ProducerIdentity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from kvpush_common.events import read_events
-from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, scratch_dir, wait_healthy
+from kvpush_common.endpoint.events import read_events
+from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, scratch_dir, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush_common.layout import KVLayout, Region
-from kvpush_common.wire import (
+from kvpush_common.protocol.layout import KVLayout, Region
+from kvpush_common.protocol.wire import (
     FLAG_SIGNED,
     HEADER_LEN,
     MAC_LEN,
@@ -590,7 +590,7 @@ def test_compat_hash_shape_and_stability():
 
 
 def test_compat_hash_is_stable_across_processes():
-    code = ("from kvpush_common.wire import compat_hash; print(compat_hash(mode='push', model='m', num_layers=2, "
+    code = ("from kvpush_common.protocol.wire import compat_hash; print(compat_hash(mode='push', model='m', num_layers=2, "
             "total_kv_heads=8, head_dim=128, dtype='bfloat16', extra=('a', 1)))")
     outs = set()
     for seed in ("0", "12345"):

@@ -1,12 +1,12 @@
 """A worker step never loses work to an unexpected exception: each unit (inbox item, notification,
 action) is guarded, and what the step already decided is still acted on."""
 
-from kvpush_common.config import EndpointConfig
-from kvpush_common.consumer import ConsumerEndpoint, ProducerRef
-from kvpush_common.endpoint import Peer
-from kvpush_common.host_backend import HostBackend
-from kvpush_common.identity import TransferKey
-from kvpush_common.producer import ProducerEndpoint
+from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.endpoint.base import Peer
+from kvpush_common.device.host import HostBackend
+from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.endpoint.producer import ProducerEndpoint
 
 
 class Flaky:
@@ -66,7 +66,7 @@ def test_producer_start_write_that_raises_still_gets_a_result():
         raise RuntimeError("bug in planning")
 
     p._post_if_fenced = boom
-    from kvpush_common.wire import Codec, Register
+    from kvpush_common.protocol.wire import Codec, Register
 
     reg = Register(transfer_id="t", attempt=0, consumer_engine="D", consumer_rank=0, consumer_tp=1, block_ids=[0],
                    first_token=0, num_tokens=4, ttl_ms=5000)

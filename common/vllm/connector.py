@@ -10,12 +10,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from ..device import DeviceBackend
-from . import compat
-from .metadata import KVPushMetadata
-from .scheduler import SchedulerSide
-from .settings import ConnectorSettings
-from .worker import WorkerSide
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.vllm import compat
+from kvpush_common.vllm.metadata import KVPushMetadata
+from kvpush_common.vllm.scheduler import SchedulerSide
+from kvpush_common.vllm.settings import ConnectorSettings
+from kvpush_common.vllm.worker import WorkerSide
 
 
 class KVPushConnector(KVConnectorBase_V1):
@@ -33,7 +33,7 @@ class KVPushConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), self.make_backend)
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
-        from .host_cache import VllmCpuCache
+        from kvpush_common.vllm.host_cache import VllmCpuCache
 
         return VllmCpuCache(kv_caches, head_offset)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..device import DeviceBackend
-from ..layout import KVLayout, LayoutError, Region, layer_order
-from .tensor_staging import TensorStagingMixin
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_order
+from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 
 def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) -> tuple[KVLayout, np.ndarray]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .params import ProducerIdentity
+from kvpush_common.protocol.legs import ProducerIdentity
 
 
 @dataclass(frozen=True)

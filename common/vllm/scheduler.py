@@ -11,9 +11,9 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from .metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
-from .params import DecodeLeg, IdentityProbe, parse_leg
-from .settings import ConnectorSettings
+from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
+from kvpush_common.protocol.legs import DecodeLeg, IdentityProbe, parse_leg
+from kvpush_common.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config import EndpointConfig
-from ..transport import TransportConfig
-from .params import ProducerIdentity
+from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.transport.nixl import TransportConfig
+from kvpush_common.protocol.legs import ProducerIdentity
 
 
 @dataclass(frozen=True)

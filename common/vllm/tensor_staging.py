@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..layout import KVLayout, LayoutError
-from ..staging import unit_bytes
+from kvpush_common.protocol.layout import KVLayout, LayoutError
+from kvpush_common.plan.staging import unit_bytes
 
 
 class TensorStaging:

@@ -10,15 +10,15 @@ import logging
 import threading
 from typing import Callable
 
-from ..consumer import ConsumerEndpoint, ProducerRef
-from ..device import DeviceBackend
-from ..identity import TransferKey
-from ..producer import ProducerEndpoint
-from ..rendezvous import Outcome, Release
-from ..topology import local_heads
-from .compat import TransferResults
-from .metadata import KVPushMetadata
-from .settings import ConnectorSettings
+from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.endpoint.producer import ProducerEndpoint
+from kvpush_common.state.rendezvous import Outcome, Release
+from kvpush_common.protocol.topology import local_heads
+from kvpush_common.vllm.compat import TransferResults
+from kvpush_common.vllm.metadata import KVPushMetadata
+from kvpush_common.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 

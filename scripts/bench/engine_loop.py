@@ -37,13 +37,12 @@ import msgspec
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import engines  # noqa: E402
 from handoff_modes import MODES, MULTI_RANK_MODES  # noqa: E402
 from kvslab import QWEN3_32B_RANK, peer_copy_ms  # noqa: E402
 from workmodel import StepCost  # noqa: E402
 
-from kvpush_common.events import read_events  # noqa: E402
+from kvpush_common.endpoint.events import read_events  # noqa: E402
 
 _enc, _dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
 
@@ -344,7 +343,7 @@ def summary(results: list[dict], raw: dict, args, wire_rows: list[dict] | None =
 
 def set_ranks(args) -> None:
     """Heads per rank on each side (a rank of the narrower side holds the heads of several of the other)."""
-    from kvpush_common.topology import local_heads
+    from kvpush_common.protocol.topology import local_heads
 
     if args.p_tp > 1 or args.d_tp > 1:
         bad = [m for m in args.modes if m not in MULTI_RANK_MODES]

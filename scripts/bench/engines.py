@@ -49,7 +49,7 @@ def _setup(opts: dict):
     geometry = {**QWEN3_32B_RANK, **opts.get("geometry", {})}
     head_offset = 0
     if opts.get("ranks"):  # this rank's share of the engine's KV heads
-        from kvpush_common.topology import local_heads
+        from kvpush_common.protocol.topology import local_heads
 
         r = opts["ranks"]
         head_offset, geometry["num_heads"] = local_heads(r["total_kv_heads"], r["tp_size"], r["rank"])

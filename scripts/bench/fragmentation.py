@@ -25,12 +25,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvslab import peer_copy_ms  # noqa: E402
-from procs import PeerProcess  # noqa: E402
+from kvpush_common.testing.procs import PeerProcess  # noqa: E402
 
-from kvpush_common.events import read_events  # noqa: E402
+from kvpush_common.endpoint.events import read_events  # noqa: E402
 
 GEO = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2)
 

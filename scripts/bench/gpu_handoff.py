@@ -21,7 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fragmentation import run_case  # noqa: E402
 from kvslab import peer_copy_ms  # noqa: E402
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush_common.blockplan import unit_table
-from kvpush_common.config import EndpointConfig
-from kvpush_common.consumer import ConsumerEndpoint, ProducerRef
-from kvpush_common.producer import ProducerEndpoint
-from kvpush_common.transport import NixlTransport, TransportConfig
+from kvpush_common.plan.blockplan import unit_table
+from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.endpoint.producer import ProducerEndpoint
+from kvpush_common.transport.nixl import NixlTransport, TransportConfig
 
 MODES = ("push", "kvpush-pull", "vllm-pull")  # and "push-staged": push with staged transfers (--staging-mib)
 MULTI_RANK_MODES = ("push", "push-staged", "kvpush-pull")  # several ranks per engine (vllm-pull: one rank each)
@@ -102,7 +102,7 @@ class VllmPullDecode:
                  ranks: dict | None = None):
         import msgspec
 
-        from kvpush_common.layout import KVLayout
+        from kvpush_common.protocol.layout import KVLayout
 
         slab.backend.bind_thread()
         self.layout = slab.backend.layout()

@@ -40,7 +40,7 @@ class KVSlab:
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         self.head_offset, self.num_heads = head_offset, geometry["num_heads"]
         if device is None:
-            from kvpush_common.host_backend import HostBackend
+            from kvpush_common.device.host import HostBackend
 
             self.backend = HostBackend(block_size=block_size, num_blocks=num_blocks, head_offset=head_offset, **geometry)
             flat = self.backend.buffer

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvslab import QWEN3_32B_RANK, peer_copy_ms  # noqa: E402
 
-from kvpush_common.blockplan import merge_runs, plan_blocks  # noqa: E402
-from kvpush_common.layout import KVLayout  # noqa: E402
-from kvpush_common.topology import routes  # noqa: E402
-from kvpush_common.transport import NixlTransport, TransportConfig  # noqa: E402
+from kvpush_common.plan.blockplan import merge_runs, plan_blocks  # noqa: E402
+from kvpush_common.protocol.layout import KVLayout  # noqa: E402
+from kvpush_common.protocol.topology import routes  # noqa: E402
+from kvpush_common.transport.nixl import NixlTransport, TransportConfig  # noqa: E402
 
 
 def serve_target(conn, bs: int, nblocks: int, device: int) -> None:

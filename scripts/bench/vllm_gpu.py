@@ -253,7 +253,7 @@ class Cluster:
 
     def router(self, mode: str, prefill: Proc | None, decode: Proc) -> Proc:
         port = self.ports(1)
-        argv = [sys.executable, "-m", "kvpush_common.cli", "router", "--port", str(port), "--mode", mode,
+        argv = [sys.executable, "-m", "kvpush_common.ops.cli", "router", "--port", str(port), "--mode", mode,
                 "--decode", decode.url, "--request-timeout", str(self.args.limit_s), "--log-level", "WARNING"]
         if prefill is not None:
             argv += ["--prefill", prefill.url]
@@ -350,8 +350,7 @@ def make_model(directory: Path, shape: str) -> Path:
     if cfg_path.exists() and json.loads(cfg_path.read_text()) == want:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_tiny_model import train_tokenizer
+    from kvpush_common.testing.tokenizer import train_tokenizer
 
     train_tokenizer(directory, VOCAB)
     cfg_path.write_text(json.dumps(want, indent=1))

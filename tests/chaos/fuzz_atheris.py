@@ -9,8 +9,6 @@ target's expected refusals), a leak past -rss_limit_mb or a hang past -timeout f
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import atheris  # noqa: E402
 import logging  # noqa: E402
 
@@ -26,7 +24,7 @@ def seed_corpus(name: str) -> str:
 
     import msgspec
 
-    from kvpush_common.wire import Heartbeat, KeyRef, Register, WriteDone
+    from kvpush_common.protocol.wire import Heartbeat, KeyRef, Register, WriteDone
 
     d = tempfile.mkdtemp(prefix=f"kvpush-fuzz-{name}-")
     msgs = [Register(transfer_id="t", attempt=0, consumer_engine="D", consumer_rank=0, consumer_tp=1,

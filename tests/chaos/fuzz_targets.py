@@ -11,14 +11,14 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from kvpush_common.config import EndpointConfig
-from kvpush_common.endpoint import Peer
-from kvpush_common.handshake import HandshakeServer
-from kvpush_common.host_backend import HostBackend
-from kvpush_common.producer import ProducerEndpoint
-from kvpush_common.router import ClientFields, UpstreamReply, decode_body, prefill_body, push_decode_params
-from kvpush_common.vllm.params import parse_leg
-from kvpush_common.wire import MAX_HANDSHAKE_BYTES, Codec, Hello, HelloReject, Message, WireError
+from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.endpoint.base import Peer
+from kvpush_common.endpoint.handshake import HandshakeServer
+from kvpush_common.device.host import HostBackend
+from kvpush_common.endpoint.producer import ProducerEndpoint
+from kvpush_common.router.app import ClientFields, UpstreamReply, decode_body, prefill_body, push_decode_params
+from kvpush_common.protocol.legs import parse_leg
+from kvpush_common.protocol.wire import MAX_HANDSHAKE_BYTES, Codec, Hello, HelloReject, Message, WireError
 
 SECRET = b"fuzz-secret"
 NOTIF = Codec()

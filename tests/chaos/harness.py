@@ -23,8 +23,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from procs import PeerProcess
-from vllm_cluster import free_port
+from kvpush_common.testing.procs import PeerProcess
+from kvpush_common.testing.vllm_cluster import free_port
 
 POISON = 0xAB
 GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2, block_size=16, order="HND")

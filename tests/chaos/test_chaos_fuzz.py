@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fuzz_targets as ft
-from kvpush_common.wire import (MAX_BLOCK_IDS, BadSignature, Codec, Heartbeat, KeyRef, MalformedMessage,
+from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, BadSignature, Codec, Heartbeat, KeyRef, MalformedMessage,
                                 MessageTooLarge, Register, UnsupportedVersion, WriteDone)
 
 pytestmark = pytest.mark.chaos
@@ -150,10 +150,10 @@ def test_version_mismatch_and_oversized_lists_are_refused():
 def test_mode_and_version_mismatch_at_handshake_are_refused_with_reasons():
     import dataclasses
 
-    from kvpush_common.consumer import ConsumerEndpoint
-    from kvpush_common.config import EndpointConfig
-    from kvpush_common.host_backend import HostBackend
-    from kvpush_common.wire import Hello, HelloReject
+    from kvpush_common.endpoint.consumer import ConsumerEndpoint
+    from kvpush_common.endpoint.config import EndpointConfig
+    from kvpush_common.device.host import HostBackend
+    from kvpush_common.protocol.wire import Hello, HelloReject
 
     ft.handshake(b"")  # builds the server
     backend = HostBackend(num_layers=2, num_heads=2, head_dim=4, block_size=4, num_blocks=8)
@@ -173,7 +173,7 @@ def test_mode_and_version_mismatch_at_handshake_are_refused_with_reasons():
 
 
 def test_out_of_range_and_foreign_block_ids_are_refused_before_any_descriptor():
-    from kvpush_common.identity import TransferKey
+    from kvpush_common.protocol.identity import TransferKey
 
     def run(ids, engine="D"):
         p = ft._producer()

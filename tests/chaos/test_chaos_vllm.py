@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from kvpush_common.events import read_events
-from vllm_chaos import GEN, Pair, TIMEOUTS, complete, env_with_events, prompts, text_of
-from vllm_cluster import post_json, scratch_dir
+from kvpush_common.endpoint.events import read_events
+from kvpush_common.testing.vllm_chaos import GEN, Pair, TIMEOUTS, complete, env_with_events, prompts, text_of
+from kvpush_common.testing.vllm_cluster import post_json, scratch_dir
 
 pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.timeout(900)]
 

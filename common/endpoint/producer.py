@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .blockplan import BlockPlan, block_granular, block_runs, plan_write, unit_table
-from .endpoint import Endpoint, Peer
-from .handshake import HandshakeServer
-from .identity import TransferKey
-from .planner import PlanError, plan_transfer
-from .staging import SlotPool, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
-from .rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
-from .topology import routes_from
-from .transport import TransportError
-from .wire import (ChunkWritten, Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
+from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, plan_write, unit_table
+from kvpush_common.endpoint.base import Endpoint, Peer
+from kvpush_common.endpoint.handshake import HandshakeServer
+from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.plan.planner import PlanError, plan_transfer
+from kvpush_common.plan.staging import SlotPool, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
+from kvpush_common.state.rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
+from kvpush_common.protocol.topology import routes_from
+from kvpush_common.transport.nixl import TransportError
+from kvpush_common.protocol.wire import (ChunkWritten, Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
                    WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta
 
-from ..wire import Attempt, Id, TpSize
+from kvpush_common.protocol.wire import Attempt, Id, TpSize
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .completion import Completion, Received, SendRevoke
-from .endpoint import Endpoint, Peer, incarnation_of
-from .handshake import HandshakeError, request_hello
-from .identity import TransferKey
-from .blockplan import plan_write
-from .planner import PlanError
-from .staging import unit_bytes
-from .topology import producers_for, routes
-from .transport import TransportError
-from .wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant, ReadResult,
+from kvpush_common.state.completion import Completion, Received, SendRevoke
+from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
+from kvpush_common.endpoint.handshake import HandshakeError, request_hello
+from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.plan.blockplan import plan_write
+from kvpush_common.plan.planner import PlanError
+from kvpush_common.plan.staging import unit_bytes
+from kvpush_common.protocol.topology import producers_for, routes
+from kvpush_common.transport.nixl import TransportError
+from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant, ReadResult,
                    Register, Revoke, RevokeAck, SlotFree, Staging, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)

@@ -16,16 +16,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import EndpointConfig
-from .device import DeviceBackend
-from .events import EventLog
-from .layout import KVLayout, LayoutError
-from .metrics import EndpointStats
-from .topology import local_heads
-from .transport import NixlTransport, Transport, TransportError
-from .planner import PlanError
-from .staging import SlotPool, blocks_per_chunk
-from .wire import Codec, Hello, Staging, Message, WireError, compat_hash
+from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.endpoint.events import EventLog
+from kvpush_common.protocol.layout import KVLayout, LayoutError
+from kvpush_common.endpoint.metrics import EndpointStats
+from kvpush_common.protocol.topology import local_heads
+from kvpush_common.transport.nixl import NixlTransport, Transport, TransportError
+from kvpush_common.plan.planner import PlanError
+from kvpush_common.plan.staging import SlotPool, blocks_per_chunk
+from kvpush_common.protocol.wire import Codec, Hello, Staging, Message, WireError, compat_hash
 
 log = logging.getLogger(__name__)
 

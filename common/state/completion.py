@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .identity import AttemptFloor, TransferKey
+from kvpush_common.protocol.identity import AttemptFloor, TransferKey
 
 Producer = tuple[str, int]  # (producer engine id, producer rank)
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from . import router
+from kvpush_common.router import app as router
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +69,7 @@ def _run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 # ---- kvpush config / kvpush doctor: device targets found through entry points ----------------------
 
 def _add_config_and_doctor(sub: argparse._SubParsersAction) -> None:
-    from . import deploy
+    from kvpush_common.ops import deploy
 
     targets, broken = deploy.load_targets()
     p = sub.add_parser("config", help="print the environment and vllm serve (or router) command of one server",
@@ -93,7 +93,7 @@ def _add_config_and_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import deploy
+    from kvpush_common.ops import deploy
 
     try:
         plan = deploy.plan_from_args(args.target_obj, args)
@@ -108,7 +108,7 @@ def _run_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     import json
     import os
 
-    from . import deploy
+    from kvpush_common.ops import deploy
 
     if args.target in args.broken_targets:
         checks = [deploy.Check("target", False, "cannot load", (

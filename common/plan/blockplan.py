@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import KVLayout
-from .planner import PlanError, TransferPlan, check_block_ids, plan_transfer
-from .topology import HeadRoute
+from kvpush_common.protocol.layout import KVLayout
+from kvpush_common.plan.planner import PlanError, TransferPlan, check_block_ids, plan_transfer
+from kvpush_common.protocol.topology import HeadRoute
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,8 +17,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .identity import AttemptFloor, TransferKey
-from .wire import Register
+from kvpush_common.protocol.identity import AttemptFloor, TransferKey
+from kvpush_common.protocol.wire import Register
 
 Dest = tuple[str, int]  # (consumer engine id, consumer rank)
 

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (kvpush is installed editable)
 CONNECTOR = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush_common.vllm.connector"}
 
 
@@ -138,7 +138,7 @@ class Router(Process):
     def __init__(self, *, mode: str, prefill: list[str], decode: list[str], log_dir: Path, extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "kvpush_common.cli", "router", "--port", str(self.port), "--mode", mode]
+        argv = [sys.executable, "-m", "kvpush_common.ops.cli", "router", "--port", str(self.port), "--mode", mode]
         for u in prefill:
             argv += ["--prefill", u]
         for u in decode:

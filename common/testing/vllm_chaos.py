@@ -11,7 +11,7 @@ import urllib.request
 
 import psutil
 
-from vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, wait_healthy
+from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, wait_healthy
 
 GEN = {"model": "tiny", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 # D's bound: transfer_timeout_s + fence_wait_s (reg_ttl_s + write_timeout_s + fence_grace_s 5) = 15 s

@@ -16,7 +16,7 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from .transport import Transport, TransportError
+from kvpush_common.transport.nixl import Transport, TransportError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from .vllm.params import ProducerIdentity
+from kvpush_common.protocol.legs import ProducerIdentity
 
 log = logging.getLogger(__name__)
 

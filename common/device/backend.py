@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from .layout import KVLayout
+from kvpush_common.protocol.layout import KVLayout
 
 
 class DeviceBackend(ABC):

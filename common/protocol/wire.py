@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from .layout import KVLayout
+from kvpush_common.protocol.layout import KVLayout
 
 PROTOCOL_VERSION = 1
 MAGIC = b"KVP"

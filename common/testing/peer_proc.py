@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import os
 import sys
 import threading
@@ -18,22 +19,21 @@ import traceback
 import msgspec
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvref import logical_view  # noqa: E402
+from kvpush_common.testing.kvref import logical_view  # noqa: E402
 
-from kvpush_common.config import EndpointConfig  # noqa: E402
-from kvpush_common.consumer import ConsumerEndpoint, ProducerRef  # noqa: E402
-from kvpush_common.endpoint import nixl_transport  # noqa: E402
-from kvpush_common.faults import FaultPlan, FaultyTransport  # noqa: E402
-from kvpush_common.producer import ProducerEndpoint  # noqa: E402
-from kvpush_common.rendezvous import Release  # noqa: E402
+from kvpush_common.endpoint.config import EndpointConfig  # noqa: E402
+from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef  # noqa: E402
+from kvpush_common.endpoint.base import nixl_transport  # noqa: E402
+from kvpush_common.testing.faults import FaultPlan, FaultyTransport  # noqa: E402
+from kvpush_common.endpoint.producer import ProducerEndpoint  # noqa: E402
+from kvpush_common.state.rendezvous import Release  # noqa: E402
 
 
 def _unfix(names: str) -> None:
     """Chaos tests only (KVPUSH_CHAOS_UNFIX=stall,incarnation,guard,rejoin): put back the behaviour from
     before a core fix, to show that the chaos test catches its bug."""
-    from kvpush_common.endpoint import Endpoint
+    from kvpush_common.endpoint.base import Endpoint
 
     for name in filter(None, names.split(",")):
         if name == "stall":  # heartbeats and registrations fetched after a stall were trusted
@@ -42,8 +42,8 @@ def _unfix(names: str) -> None:
         elif name == "incarnation":  # a registration's block ids were written into any incarnation
             ProducerEndpoint._same_incarnation = lambda self, a, peer: True
         elif name == "guard":  # one exception dropped the rest of the worker step
-            from kvpush_common.transport import TransportError
-            from kvpush_common.wire import WireError
+            from kvpush_common.transport.nixl import TransportError
+            from kvpush_common.protocol.wire import WireError
 
             def send(self, peer, msg):  # and only TransportError / WireError counted as a failed send
                 try:
@@ -78,20 +78,20 @@ def make_backend(spec: dict):
     """Device backends of the conformance suite; each offers slab_base, read_bytes and write_bytes."""
     kind = spec.pop("kind", "host")
     if kind == "host":
-        from kvpush_common.host_backend import HostBackend
+        from kvpush_common.device.host import HostBackend
 
         return HostBackend(**spec)
-    if kind == "cuda":
-        from kvpush_cuda.slab import CudaSlab
-
-        return CudaSlab(**spec)
+    if kind not in DEVICE_SLABS:
+        raise SystemExit(f"unknown backend {kind!r}")
+    # device backends are loaded by name, as `kvpush.targets` entry points are: the core never imports them
+    module, _, cls = DEVICE_SLABS[kind].partition(":")
     if kind == "neuron-sim":  # the Neuron plugin's layout is fixed: HND, K plane then V plane
-        from kvpush_neuron.slab import NeuronSlab
-
         spec.pop("order", None)
         spec.pop("blocks_first", None)
-        return NeuronSlab(**spec)
-    raise SystemExit(f"unknown backend {kind!r}")
+    return getattr(importlib.import_module(module), cls)(**spec)
+
+
+DEVICE_SLABS = {"cuda": "kvpush_cuda.slab:CudaSlab", "neuron-sim": "kvpush_neuron.slab:NeuronSlab"}
 
 
 def block_spans(layout, blocks):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import KVLayout, LayoutError, check_pairable
-from .topology import HeadRoute
+from kvpush_common.protocol.layout import KVLayout, LayoutError, check_pairable
+from kvpush_common.protocol.topology import HeadRoute
 
 __all__ = ["PlanError", "TransferPlan", "plan_transfer", "check_block_ids"]
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import KVLayout
-from .planner import PlanError, check_block_ids
-from .topology import HeadRoute
+from kvpush_common.protocol.layout import KVLayout
+from kvpush_common.plan.planner import PlanError, check_block_ids
+from kvpush_common.protocol.topology import HeadRoute
 
 
 def whole_block_units(src: KVLayout, dst: KVLayout, route: HeadRoute) -> bool:

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from kvpush_common.device.ranges import parse_range  # noqa: F401 (the targets use deploy.parse_range)
+
 ENTRY_POINT_GROUP = "kvpush.targets"
 ROLES = ("prefill", "decode")
 TOPOLOGIES = ("same-host", "two-host")
@@ -135,14 +137,6 @@ def format_range(ids: Sequence[int]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(out)
-
-
-def parse_range(text: str) -> list[int]:
-    ids: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        ids += list(range(int(lo), int(hi or lo) + 1))
-    return ids
 
 
 # ---- `kvpush config` options and the server plan shared by every target -------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .transport import TransportConfig
+from kvpush_common.transport.nixl import TransportConfig
 
 
 @dataclass(frozen=True)

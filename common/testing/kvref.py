@@ -1,4 +1,4 @@
-"""An independent numpy reference for KV layouts (does not use kvpush_common.planner).
+"""An independent numpy reference for KV layouts (does not use kvpush_common.plan.planner).
 
 `logical_index` maps a layout + block list onto byte offsets into the buffer that backs it, shaped
 [regions, tokens, heads, token_bytes], using only reshapes/transposes of each block.  `apply_plan`
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush_common.layout import KVLayout, Region
+from kvpush_common.protocol.layout import KVLayout, Region
 
 
 def logical_index(layout: KVLayout, buf_base: int, block_ids, num_tokens: int) -> np.ndarray:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device import DeviceBackend
-from .layout import BlockOrder, KVLayout, contiguous_layout, slab_bytes
-from .staging import host_gather, host_planes, host_scatter
+from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.protocol.layout import BlockOrder, KVLayout, contiguous_layout, slab_bytes
+from kvpush_common.plan.staging import host_gather, host_planes, host_scatter
 
 _PAGE = 4096
 

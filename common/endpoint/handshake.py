@@ -13,7 +13,7 @@ from typing import Callable
 
 import zmq
 
-from .wire import MAX_HANDSHAKE_BYTES, Codec, Hello, HelloReject, WireError
+from kvpush_common.protocol.wire import MAX_HANDSHAKE_BYTES, Codec, Hello, HelloReject, WireError
 
 log = logging.getLogger(__name__)
 
