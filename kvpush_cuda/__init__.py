@@ -1,5 +1,8 @@
-"""kvpush CUDA backend (H200 HBM through NIXL UCX/LIBFABRIC).
+"""kvpush CUDA backend (GPU HBM through NIXL UCX, or LIBFABRIC over EFA on p5en).
 
-Placeholder package: the backend lands with its own issue.  It will implement
-`kvpush_common.device.backend.DeviceBackend` and import only `kvpush_common`.
+kv_forms.py reads vLLM's CUDA KV tensors (every form of vLLM 0.24-0.33) from shapes and strides,
+backend.py turns them into a kvpush layout, device.py binds the device and fences WRITEs with CUDA
+events, slab.py is the test/bench slab, efa.py chooses the NIXL backend after the EFA preflight,
+deploy_config.py is the `kvpush config cuda` target, connector.py the vLLM entry class.
+Imports only `kvpush_common`.
 """

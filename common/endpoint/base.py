@@ -251,6 +251,21 @@ class Endpoint:
         except TransportError as e:
             log.warning("removing agent %s: %s", peer.agent, e)
 
+    def _settle(self, handle, now: float, deadline: float) -> str | None:
+        """Poll one posted NIXL transfer.  None while it runs, or while it runs past its deadline and cannot
+        be cancelled yet (it may still write); else its handle is released and the end is returned:
+        "DONE", "ERR" or "TIMEOUT".  Only then may anything be said about the memory it touches."""
+        try:
+            state = self.transport.state(handle)
+        except TransportError as e:
+            log.warning("state of a %s transfer: %s", self.role, e)
+            state = "ERR"
+        if state == "PROC" and now < deadline:
+            return None
+        if not self.transport.release(handle) and state != "DONE":
+            return None  # a DONE handle that cannot be released is freed by NIXL's destructor
+        return state if state in ("DONE", "ERR") else "TIMEOUT"
+
     def _send(self, peer: Peer, msg: Message) -> bool:
         try:
             self.transport.send_notif(peer.agent, self.codec.encode(msg))

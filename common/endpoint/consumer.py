@@ -20,6 +20,7 @@ import numpy as np
 from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, request_hello
+from kvpush_common.endpoint.inbox import HandshakeDone, HandshakeFailed, LocalAbort
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.plan.blockplan import plan_write
 from kvpush_common.plan.planner import PlanError
@@ -84,12 +85,12 @@ class ConsumerEndpoint(Endpoint):
     def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
                first_token: int = 0) -> None:
         """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
-        self._enqueue(("expect", Expect(TransferKey(transfer_id, attempt), producer,
-                                        tuple(map(int, block_ids)), int(num_tokens), int(first_token))))
+        self._enqueue(Expect(TransferKey(transfer_id, attempt), producer, tuple(map(int, block_ids)),
+                             int(num_tokens), int(first_token)))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         """Give up; the blocks come back through take_finished once no WRITE can land in them."""
-        self._enqueue(("abort", TransferKey(transfer_id, attempt), reason))
+        self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
 
     def _before_close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -120,15 +121,14 @@ class ConsumerEndpoint(Endpoint):
         return len(self.completion) > 0 or bool(self._reads)
 
     def _on_item(self, item, now: float) -> list:
-        kind = item[0]
-        if kind == "expect":
-            return self._on_expect(item[1], now)
-        if kind == "abort":
-            return self.completion.abort(item[1], item[2], now)
-        if kind == "peer_ok":
-            return self._on_peer_ok(item[1], item[2], now, item[3] if len(item) > 3 else None)
-        if kind == "peer_fail":
-            return self._on_peer_fail(item[1], item[2], now)
+        if isinstance(item, Expect):
+            return self._on_expect(item, now)
+        if isinstance(item, LocalAbort):
+            return self.completion.abort(item.key, item.reason, now)
+        if isinstance(item, HandshakeDone):
+            return self._on_peer_ok(item.producer, item.hello, now, item.addr)
+        if isinstance(item, HandshakeFailed):
+            return self._on_peer_fail(item.producer, item.reason, now)
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float) -> list:
@@ -272,12 +272,12 @@ class ConsumerEndpoint(Endpoint):
                 reason = (f"producer write_timeout_s {hello.write_timeout_ms / 1000:g} exceeds this consumer's "
                           f"{self.cfg.write_timeout_s:g}: raise the consumer's write_timeout_s")
             addr = (ref.host, ref.base_port + rank)
-            self._enqueue(("peer_fail", prod, reason) if reason else ("peer_ok", prod, hello, addr))
+            self._enqueue(HandshakeFailed(prod, reason) if reason else HandshakeDone(prod, hello, addr))
         except HandshakeError as err:
-            self._enqueue(("peer_fail", prod, str(err)))
+            self._enqueue(HandshakeFailed(prod, str(err)))
         except Exception as err:  # never lose the waiting requests
             log.exception("handshake crashed")
-            self._enqueue(("peer_fail", prod, f"handshake crashed: {err!r}"))
+            self._enqueue(HandshakeFailed(prod, f"handshake crashed: {err!r}"))
 
     def _on_peer_ok(self, prod, hello, now: float, addr=None) -> list:
         out: list = []
@@ -365,14 +365,9 @@ class ConsumerEndpoint(Endpoint):
     def _poll_reads(self, now: float) -> list:
         out: list = []
         for r in list(self._reads):
-            try:
-                state = self.transport.state(r.handle)
-            except TransportError:
-                state = "ERR"
-            if state == "PROC" and now < r.deadline:
-                continue
-            if not self.transport.release(r.handle) and state != "DONE":
-                continue  # still running and not cancellable yet: it may still write into our blocks
+            state = self._settle(r.handle, now, r.deadline)
+            if state is None:
+                continue  # still running (and not cancellable yet): it may still write into our blocks
             self._reads.remove(r)
             peer = self._peers.get(r.producer)
             if state == "DONE":  # our blocks hold the KV; its ReadResult went to the producer on the READ

@@ -47,7 +47,6 @@ class HandshakeServer:
         self.host = host
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvpush-handshake-{self.port}", daemon=True)
-        self.rejected = 0
 
     def start(self) -> "HandshakeServer":
         self._thread.start()
@@ -81,10 +80,8 @@ class HandshakeServer:
         try:
             hello = self._codec.decode(payload)
         except WireError as e:
-            self.rejected += 1
             return HelloReject(reason=f"bad handshake: {e}"[:500])
         if not isinstance(hello, Hello):
-            self.rejected += 1
             return HelloReject(reason=f"expected hello, got {type(hello).__name__}")
         try:
             reason = self._accept(hello)
@@ -92,7 +89,6 @@ class HandshakeServer:
             log.exception("handshake validation crashed")
             reason = f"internal error: {e!r}"
         if reason:
-            self.rejected += 1
             return HelloReject(reason=reason[:500])
         return self._local_hello()
 

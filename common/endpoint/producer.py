@@ -12,13 +12,14 @@ WriteFailed whenever a destination will not be (fully) written.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, plan_write, unit_table
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
+from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort
+from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, StagedPush, Transfer
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.plan.planner import PlanError, plan_transfer
 from kvpush_common.plan.staging import SlotPool, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
@@ -31,23 +32,6 @@ from kvpush_common.protocol.wire import (ChunkWritten, Heartbeat, Hello, ReadGra
 log = logging.getLogger(__name__)
 
 
-GRANTED = "granted"  # handle of a pull-mode item: the consumer is reading
-STAGED = "staged"  # handle of a staged push: its chunk WRITEs are in `staged.inflight`
-
-
-@dataclass
-class _InFlight:
-    key: TransferKey
-    dest: Dest
-    posted_at: float
-    deadline: float
-    nbytes: int
-    handle: object = None  # None while waiting for the device fence
-    start: StartWrite | None = None
-    timed_out: bool = False
-    staged: StagedWrite | None = None
-
-
 class ProducerEndpoint(Endpoint):
     role = "producer"
 
@@ -55,7 +39,9 @@ class ProducerEndpoint(Endpoint):
         super().__init__(*args, **kwargs)
         self.rendezvous = Rendezvous(expected_dests=self._expected_dests, lease_s=self.cfg.lease_s,
                                      tombstone_s=self.cfg.tombstone_s)
-        self._inflight: list[_InFlight] = []
+        self._inflight: list[Transfer] = []  # one per (request, consumer rank) being written or read
+        self._polls = {AwaitingFence: self._poll_fence, DirectWrite: self._poll_direct, StagedPush: self._advance_staged,
+                       ReadPin: self._poll_pin}
         self.server: HandshakeServer | None = None
         self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
         self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
@@ -70,10 +56,10 @@ class ProducerEndpoint(Endpoint):
         """The step that computed this request's KV was issued; its blocks stay ours until released."""
         fence = self.backend.mark_kv_written()
         ready = ReadyKV(tuple(map(int, block_ids)), int(num_tokens), fence)
-        self._enqueue(("ready", TransferKey(transfer_id, attempt), ready))
+        self._enqueue(KVReady(TransferKey(transfer_id, attempt), ready))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
-        self._enqueue(("abort", TransferKey(transfer_id, attempt), reason))
+        self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
 
     @property
     def address(self) -> tuple[str, int]:
@@ -100,7 +86,7 @@ class ProducerEndpoint(Endpoint):
             plan_transfer(self.layout, hello.layout, probe, [0], [0], num_tokens=1)
         except PlanError as e:
             return f"KV layouts cannot be paired: {e}"
-        self._enqueue(("peer", hello))
+        self._enqueue(ConsumerHello(hello))
         return None
 
     def local_hello(self, staging: Staging | None = None) -> Hello:
@@ -153,18 +139,17 @@ class ProducerEndpoint(Endpoint):
         return bool(self._inflight) or self.rendezvous.has_unmatched()
 
     def _on_item(self, item, now: float) -> list:
-        kind = item[0]
-        if kind == "peer":
+        if isinstance(item, ConsumerHello):
             try:
-                self._prepare_peer(self._add_peer(item[1]))
+                self._prepare_peer(self._add_peer(item.hello))
             except TransportError as e:
-                log.warning("could not add consumer %s: %s", item[1].agent_name, e)
-        elif kind == "ready":
-            self.event("kv_ready", item[1])
-            self._ready_at[item[1]] = now
-            return self.rendezvous.on_ready(item[1], item[2], now)
-        elif kind == "abort":
-            return self.rendezvous.on_local_abort(item[1], item[2], now)
+                log.warning("could not add consumer %s: %s", item.hello.agent_name, e)
+        elif isinstance(item, KVReady):
+            self.event("kv_ready", item.key)
+            self._ready_at[item.key] = now
+            return self.rendezvous.on_ready(item.key, item.ready, now)
+        elif isinstance(item, LocalAbort):
+            return self.rendezvous.on_local_abort(item.key, item.reason, now)
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float, stalled: bool) -> list:
@@ -208,7 +193,7 @@ class ProducerEndpoint(Endpoint):
             except Exception as e:  # the rendezvous counts this destination as writing: it must get a result
                 log.exception("starting write %s -> %s failed", a.key, a.dest)
                 self.stats.worker_errors.inc()
-                if any(i.key == a.key and i.dest == a.dest and i.handle is not None for i in self._inflight):
+                if any(i.key == a.key and i.dest == a.dest and not isinstance(i, AwaitingFence) for i in self._inflight):
                     return []  # posted: polling ends it
                 self._inflight = [i for i in self._inflight if not (i.key == a.key and i.dest == a.dest)]
                 return self._fail_write(a, "post_failed", f"internal error: {e!r}", now)
@@ -249,51 +234,52 @@ class ProducerEndpoint(Endpoint):
         if a.reg.first_token >= a.ready.num_tokens:  # consumer already holds every token
             sent = self._send(peer, self._done_msg(a.key, 0, 0))
             return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
-        item = _InFlight(a.key, a.dest, now, now + self.cfg.write_timeout_s, 0, start=a)
+        item = AwaitingFence(a, now, now + self.cfg.write_timeout_s)
         self._inflight.append(item)
-        return self._post_if_fenced(item, now)
+        return self._poll_fence(item, now)
 
-    def _post_if_fenced(self, item: _InFlight, now: float) -> list:
+    def _poll_fence(self, item: AwaitingFence, now: float) -> list:
+        """Once the device has written the KV, replace the item by the transfer that moves it."""
         a = item.start
+        if now >= item.deadline and not self.backend.kv_written(a.ready.fence):
+            self._inflight.remove(item)
+            return self._fail_write(a, "fence_timeout", "device never finished writing the KV", now)
         if not self.backend.kv_written(a.ready.fence):
             return []
+        self._inflight.remove(item)
         t_post = self.clock()
         peer = self._peers.get(a.dest)
         if peer is None or not self._same_incarnation(a, peer):  # it restarted while we waited for the fence
-            self._inflight.remove(item)
             return self._fail_write(a, "unknown_consumer", "consumer rank restarted since it registered", now)
         if self.cfg.mode == "pull":
-            return self._grant(item, peer, now)
+            return self._grant(a, peer, now)
         route = self._route_to(peer)
         staged = self._staged_plan(a, peer, route)
         if staged is not None:
-            item.staged, item.handle, item.posted_at = staged, STAGED, t_post
-            item.nbytes = staged.src_blocks.size * staged.nbytes_per_block
-            self.event("posted", a.key, consumer_rank=peer.rank, nbytes=item.nbytes, descs=staged.chunks, staged=True)
+            push = StagedPush(a, t_post, item.deadline, staged.src_blocks.size * staged.nbytes_per_block, staged)
+            self._inflight.append(push)
+            self.event("posted", a.key, consumer_rank=peer.rank, nbytes=push.nbytes, descs=staged.chunks, staged=True)
             self.stats.writes_posted.inc()
             self.stats.writes_staged.inc()
-            return self._advance_staged(item, now)
+            return self._advance_staged(push, now)
         prepped = self._remote_prepped.get(a.dest)
         try:
             plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
                               num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
                               prepped=prepped is not None)
         except PlanError as e:
-            self._inflight.remove(item)
             return self._fail_write(a, "bad_registration", str(e), now)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
         try:
             if isinstance(plan, BlockPlan):
-                item.handle = self.transport.post_prepped("WRITE", prepped[0], plan.local_idx, prepped[1],
-                                                          plan.remote_idx, notif)
+                handle = self.transport.post_prepped("WRITE", prepped[0], plan.local_idx, prepped[1],
+                                                     plan.remote_idx, notif)
             else:
-                item.handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
-                                                  peer.layout.mem_type, notif)
+                handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
+                                             peer.layout.mem_type, notif)
         except TransportError as e:
-            self._inflight.remove(item)
             return self._fail_write(a, "post_failed", str(e), now)
-        item.nbytes = plan.nbytes
-        item.posted_at = t_post
+        self._inflight.append(DirectWrite(a, t_post, item.deadline, plan.nbytes, handle))
         self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs)
         self.stats.writes_posted.inc()
         if isinstance(plan, BlockPlan):
@@ -306,25 +292,21 @@ class ProducerEndpoint(Endpoint):
         """Block ids in a registration name memory of the process that sent it, never of its successor."""
         return self._reg_from.get((a.key, a.dest), peer.incarnation) == peer.incarnation
 
-    def _grant(self, item: _InFlight, peer: Peer, now: float) -> list:
+    def _grant(self, a: StartWrite, peer: Peer, now: float) -> list:
         """Pull mode: the KV is complete; let the consumer READ it.  Pinned until its ReadResult, or
         until write_timeout_s + fence_grace_s (the consumer gives up its READ after write_timeout_s)."""
-        a = item.start
         grant = ReadGrant(transfer_id=a.key.transfer_id, attempt=a.key.attempt, producer_engine=self.cfg.engine_id,
                           producer_rank=self.cfg.rank, block_ids=list(a.ready.block_ids),
                           num_tokens=a.ready.num_tokens)
         if not self._send(peer, grant):
-            self._inflight.remove(item)
             return self._fail_write(a, "post_failed", "could not send the read grant", now)
-        item.handle = GRANTED
-        item.posted_at = now
-        item.deadline = now + self.cfg.write_timeout_s + self.cfg.fence_grace_s
+        self._inflight.append(ReadPin(a, now, now + self.cfg.write_timeout_s + self.cfg.fence_grace_s))
         self.stats.writes_posted.inc()
         self.event("granted", a.key, consumer_rank=peer.rank)
         return []
 
     def _on_read_result(self, key: TransferKey, dest: Dest, msg: ReadResult, now: float) -> list:
-        item = next((i for i in self._inflight if i.key == key and i.dest == dest and i.handle is GRANTED), None)
+        item = next((i for i in self._inflight if isinstance(i, ReadPin) and i.key == key and i.dest == dest), None)
         if item is None:
             return []  # duplicate, or after the grant's deadline (already failed)
         self._inflight.remove(item)
@@ -386,19 +368,14 @@ class ProducerEndpoint(Endpoint):
             return None  # the direct path reports the same error
         return StagedWrite(s, per_chunk, len(self.layout.regions) * unit_bytes(self.layout))
 
-    def _advance_staged(self, item: _InFlight, now: float) -> list:
+    def _advance_staged(self, item: StagedPush, now: float) -> list:
         """Poll the chunk WRITEs, gather and post the next chunks while slots are free, finish or fail."""
-        st, peer, slots = item.staged, self._peers.get(item.dest), self._peer_slots.get(item.dest)
+        st, peer, slots = item.plan, self._peers.get(item.dest), self._peer_slots.get(item.dest)
         for entry in list(st.inflight):
             handle, local, remote, pool = entry
-            try:
-                state = self.transport.state(handle)
-            except TransportError:
-                state = "ERR"
-            if state == "PROC" and now < item.deadline:
-                continue
-            if not self.transport.release(handle) and state != "DONE":
-                continue  # still in flight, not cancellable yet
+            state = self._settle(handle, now, item.deadline)
+            if state is None:
+                continue  # in flight (or past its deadline but not cancellable yet)
             st.inflight.remove(entry)
             self.staging.give(local)
             if state == "DONE":
@@ -459,42 +436,25 @@ class ProducerEndpoint(Endpoint):
         now = self.clock()
         actions = []
         for item in list(self._inflight):
-            if item.staged is not None:
-                actions += self._advance_staged(item, now)
-                continue
-            if item.handle is GRANTED:
-                if now >= item.deadline:  # the consumer's READ bound has passed: unpin
-                    self._inflight.remove(item)
-                    actions += self._fail_write(item.start, "read_timeout", "no ReadResult before the deadline", now)
-                continue
-            if item.handle is None:
-                if now >= item.deadline:
-                    self._inflight.remove(item)
-                    actions += self._fail_write(item.start, "fence_timeout", "device never finished writing the KV", now)
-                else:
-                    actions += self._post_if_fenced(item, now)
-                continue
-            try:
-                state = self.transport.state(item.handle)
-            except TransportError as e:
-                log.warning("state of write %s: %s", item.key, e)
-                state = "ERR"
-            if state == "PROC" and now < item.deadline:
-                continue
-            # DONE, ERR, or timed out: the handle must be released before we may say anything.
-            if not self.transport.release(item.handle):
-                if state == "DONE":
-                    pass  # released later by NIXL's destructor; the WRITE itself has finished
-                else:
-                    continue  # still in flight and not cancellable yet: keep polling
-            self._inflight.remove(item)
-            self.event("write_" + ("done" if state == "DONE" else "failed"), item.key, state=state)
-            if state == "DONE":
-                self.stats.writes_done.inc()
-                self.stats.bytes_written.inc(item.nbytes)
-                self.stats.xfer_seconds.observe(now - item.posted_at)
-                actions += self.rendezvous.on_write_result(item.key, item.dest, True, now)
-            else:
-                code = "write_error" if state == "ERR" else "write_timeout"
-                actions += self._fail_write(item.start, code, f"NIXL WRITE ended in {state}", now)
+            actions += self._polls[type(item)](item, now)
         self._run(actions, now)
+
+    def _poll_pin(self, item: ReadPin, now: float) -> list:
+        if now < item.deadline:
+            return []
+        self._inflight.remove(item)  # the consumer's READ bound has passed: unpin
+        return self._fail_write(item.start, "read_timeout", "no ReadResult before the deadline", now)
+
+    def _poll_direct(self, item: DirectWrite, now: float) -> list:
+        state = self._settle(item.handle, now, item.deadline)
+        if state is None:
+            return []  # in flight (or past its deadline but not cancellable yet: keep polling)
+        self._inflight.remove(item)
+        self.event("write_" + ("done" if state == "DONE" else "failed"), item.key, state=state)
+        if state == "DONE":
+            self.stats.writes_done.inc()
+            self.stats.bytes_written.inc(item.nbytes)
+            self.stats.xfer_seconds.observe(now - item.posted_at)
+            return self.rendezvous.on_write_result(item.key, item.dest, True, now)
+        code = "write_error" if state == "ERR" else "write_timeout"
+        return self._fail_write(item.start, code, f"NIXL WRITE ended in {state}", now)

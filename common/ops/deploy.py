@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from kvpush_common.device.ranges import parse_range  # noqa: F401 (the targets use deploy.parse_range)
+from kvpush_common.transport.nixl import NIXL_INSTALL
 
 ENTRY_POINT_GROUP = "kvpush.targets"
 ROLES = ("prefill", "decode")
@@ -354,7 +355,7 @@ def _dlopen_error(path: Path, env: Mapping[str, str]) -> str:
 def check_nixl(env: Mapping[str, str], backends: Sequence[str]) -> list[Check]:
     """NIXL importable, and each backend's plugin present and loadable with this environment."""
     mod = check_module("nixl", "nixl", ("nixl", "nixl-cu13", "nixl-cu12"),
-                       "pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 (scripts/setup-venv.sh does)")
+                       f"{NIXL_INSTALL} (scripts/setup-venv.sh does)")
     checks = [mod]
     dirs = nixl_plugin_dirs(env)
     for backend in backends:

@@ -70,10 +70,6 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     def block_bytes(self) -> int:
         return self.block_size * self.num_heads * self.token_bytes
 
-    @property
-    def regions_per_layer(self) -> int:
-        return len(self.regions) // self.num_layers
-
     def region_span(self, r: int) -> tuple[int, int]:
         """[start, end) bytes that region r may touch."""
         reg = self.regions[r]

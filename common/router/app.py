@@ -31,7 +31,6 @@ from kvpush_common.protocol.legs import ProducerIdentity
 log = logging.getLogger(__name__)
 
 MODES = ("push", "pull", "nixl-pull", "nixl-push", "single")
-CONCURRENT_MODES = ("push", "nixl-push")  # modes whose decode leg starts with the prefill leg
 KVPUSH_MODES = ("push", "pull")  # kvpush connectors on both sides
 IDENTITY_MODES = ("push", "pull", "nixl-push")  # D needs P's identity: learned once at start-up
 TIMELINES_KEPT = 1000

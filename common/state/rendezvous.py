@@ -148,8 +148,6 @@ class Rendezvous:
         if not bound:
             entry.consumer_engine = reg.consumer_engine
             entry.expected = expected
-        if dest in entry.pending or dest in entry.writing or dest in entry.finished:
-            return actions  # duplicate notification
         if entry.closing is not None:
             entry.finished[dest] = False
             return actions + [SendFailed(key, dest, entry.closing.value, entry.closing_reason)]

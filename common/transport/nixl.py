@@ -80,6 +80,12 @@ def _quiet_ucx_env() -> None:
         os.environ.setdefault("UCX_MODULES", "^ib")
 
 
+# The one NIXL release kvpush is built and tested against (scripts read it from here).  The `nixl` meta
+# wheel requires both CUDA variants, so it goes in with --no-deps beside the CUDA 13 build.
+NIXL_VERSION = "1.5.1"
+NIXL_INSTALL = f"pip install --no-deps nixl=={NIXL_VERSION} nixl-cu13=={NIXL_VERSION}"
+
+
 class NixlTransport:
     """A NIXL agent with one backend."""
 
@@ -88,7 +94,7 @@ class NixlTransport:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:  # pragma: no cover - nixl is a hard dependency
-            raise TransportError("nixl is not installed: pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1") from e
+            raise TransportError(f"nixl is not installed: {NIXL_INSTALL}") from e
         self.name = name
         self.config = config
         conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])

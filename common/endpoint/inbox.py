@@ -1,0 +1,52 @@
+"""What the engine thread and the handshake threads hand an endpoint's worker thread: one type per
+message, dispatched by type (`Endpoint._on_item`), never tagged tuples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.protocol.wire import Hello
+from kvpush_common.state.rendezvous import ReadyKV
+
+ProducerRank = tuple[str, int]  # (producer engine id, rank)
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """Producer, engine thread: the step that computed this request's KV was issued."""
+
+    key: TransferKey
+    ready: ReadyKV
+
+
+@dataclass(frozen=True)
+class LocalAbort:
+    """Either role, engine thread: the engine gave this request up."""
+
+    key: TransferKey
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConsumerHello:
+    """Producer, handshake thread: a consumer rank's Hello passed every check; add it as a peer."""
+
+    hello: Hello
+
+
+@dataclass(frozen=True)
+class HandshakeDone:
+    """Consumer, handshake pool: a producer rank answered and passed every check."""
+
+    producer: ProducerRank
+    hello: Hello
+    addr: tuple[str, int]  # the side channel it answered on
+
+
+@dataclass(frozen=True)
+class HandshakeFailed:
+    """Consumer, handshake pool: no usable answer from a producer rank; its waiting requests fail."""
+
+    producer: ProducerRank
+    reason: str
