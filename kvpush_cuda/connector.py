@@ -14,21 +14,15 @@ from kvpush_common.vllm.connector import KVPushConnector
 
 
 class KVPushCudaConnector(KVPushConnector):
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self._worker is not None:  # pick UCX or LIBFABRIC (after the EFA preflight) before NIXL starts
-            import dataclasses
-            import os
+    def choose_transport(self, extra: dict):
+        """UCX, or LIBFABRIC after the EFA preflight (the default where the host has EFA devices)."""
+        import os
 
-            import torch
+        import torch
 
-            from .efa import choose_transport
+        from .efa import choose_transport
 
-            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-            transport = choose_transport(extra, os.environ, gpus=max(1, torch.cuda.device_count()))
-            self.settings = dataclasses.replace(self.settings, backend=transport.backend,
-                                                backend_params=transport.backend_params)
-            self._worker.settings = self.settings
+        return choose_transport(extra, os.environ, gpus=max(1, torch.cuda.device_count()))
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         import torch
@@ -42,8 +36,7 @@ class KVPushCudaConnector(KVPushConnector):
             raise LayoutError(f"KVPushCudaConnector got KV tensors on {first.device}: on vLLM's CPU build use "
                               "KVPushConnector (kvpush_common.vllm.connector), whose layout reader knows the CPU cache")
         cfg = self._vllm_config
-        heads = max(1, cfg.model_config.get_total_num_kv_heads() // cfg.parallel_config.tensor_parallel_size)
-        return CudaKVCache(kv_caches, head_offset, block_size=cfg.cache_config.block_size, num_heads=heads,
+        return CudaKVCache(kv_caches, head_offset, block_size=cfg.cache_config.block_size, num_heads=self.local_kv_heads(),
                            head_size=cfg.model_config.get_head_size(), backends=attention_backends(cfg, kv_caches))
 
 

@@ -89,16 +89,14 @@ class KVPushNeuronConnector(KVPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._guard: BlockIdGuard | None = None
-        if self._worker is not None:  # LIBFABRIC after the EFA preflight, before NIXL starts
-            import os
 
-            from .efa import neuron_transport
+    def choose_transport(self, extra: dict):
+        """Always LIBFABRIC (Neuron HBM registers only there), after the trn2 EFA preflight."""
+        import os
 
-            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-            transport = neuron_transport(extra, os.environ, same_host=bool(extra.get("same_host", True)))
-            self.settings = dataclasses.replace(self.settings, backend=transport.backend,
-                                                backend_params=transport.backend_params)
-            self._worker.settings = self.settings
+        from .efa import neuron_transport
+
+        return neuron_transport(extra, os.environ, same_host=bool(extra.get("same_host", True)))
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         from .backend import NeuronKVCache
@@ -110,9 +108,8 @@ class KVPushNeuronConnector(KVPushConnector):
                 adopt(cache[0] if isinstance(cache, (list, tuple)) else cache)
             break
         cfg = self._vllm_config
-        heads = max(1, cfg.model_config.get_total_num_kv_heads() // cfg.parallel_config.tensor_parallel_size)
         backend = NeuronKVCache(kv_caches, head_offset, runtime=runtime, block_size=cfg.cache_config.block_size,
-                                num_heads=heads, head_size=cfg.model_config.get_head_size())
+                                num_heads=self.local_kv_heads(), head_size=cfg.model_config.get_head_size())
         self._guard = BlockIdGuard(backend.block_ids)
         return backend
 

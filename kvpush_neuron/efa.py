@@ -17,7 +17,7 @@ from typing import Mapping
 from kvpush_common.transport.efa import SYSFS_RDMA, EfaPreflightError, efa_devices, env_and_library_problems
 from kvpush_common.transport.nixl import TransportConfig
 
-from .runtime import parse_core_list
+from .runtime import core_visibility_problem, parse_core_list
 
 TRN2_PHYSICAL_CORES_PER_CHIP = 8
 TRN2_EFA_PER_INSTANCE = 16  # trn2.48xlarge: 16 chips, one EFA each
@@ -42,9 +42,8 @@ def neuron_efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, sa
     `same_host`: a peer (P or D) may run on this host, which needs the shm transport off."""
     problems = []
     cores = parse_core_list(env.get("NEURON_VISIBLE_DEVICES", ""))
-    if env.get("NEURON_RT_VISIBLE_CORES") and not cores:
-        problems.append("NEURON_RT_VISIBLE_CORES is set: the vLLM Neuron plugin refuses it; list the server's "
-                        "logical cores in NEURON_VISIBLE_DEVICES instead")
+    if core_visibility_problem(env):
+        problems.append(core_visibility_problem(env))
     elif not cores:
         problems.append("NEURON_VISIBLE_DEVICES is not set: set it to this server's logical cores (e.g. 0-3 for "
                         "TP4) so each rank's chip and EFA rail are known")

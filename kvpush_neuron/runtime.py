@@ -36,6 +36,15 @@ def map_hbm_enabled(env) -> bool:
 parse_core_list = parse_range
 
 
+def core_visibility_problem(env) -> str | None:
+    """The one rule for choosing cores: the 0.2x plugin selects them with NEURON_VISIBLE_DEVICES and refuses
+    NEURON_RT_VISIBLE_CORES from the user (its worker sets one core itself, next to the former)."""
+    if env.get("NEURON_RT_VISIBLE_CORES") and not env.get("NEURON_VISIBLE_DEVICES"):
+        return (f"NEURON_RT_VISIBLE_CORES={env['NEURON_RT_VISIBLE_CORES']} is set: the vLLM Neuron plugin (0.2x) "
+                "refuses it; unset it and use NEURON_VISIBLE_DEVICES for the server's logical cores (e.g. 0-3)")
+    return None
+
+
 class NeuronRuntime(Protocol):
     """What kvpush needs from the Neuron runtime; nothing else touches torch-neuronx."""
 
@@ -137,9 +146,9 @@ class SimulatedNeuronRuntime(_AgentOrder):
         self._keep: list[object] = []
 
     def init(self) -> None:
-        if self.env.get("NEURON_RT_VISIBLE_CORES") and not self.env.get("NEURON_VISIBLE_DEVICES"):
-            raise NeuronRuntimeError("NEURON_RT_VISIBLE_CORES is set: the vLLM Neuron plugin (0.2x) refuses it; "
-                                     "use NEURON_VISIBLE_DEVICES")
+        problem = core_visibility_problem(self.env)
+        if problem:
+            raise NeuronRuntimeError(problem)
         self._initialized = True
 
     def allocate(self, nbytes: int, core: int = 0) -> tuple[object, int]:

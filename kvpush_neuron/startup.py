@@ -6,7 +6,7 @@ registers HBM as host memory, or the plugin picks other cores.  So kvpush checks
 
 from __future__ import annotations
 
-from .runtime import NeuronRuntime, map_hbm_enabled
+from .runtime import NeuronRuntime, core_visibility_problem, map_hbm_enabled
 
 
 class NeuronStartupError(RuntimeError):
@@ -14,12 +14,10 @@ class NeuronStartupError(RuntimeError):
 
 
 def check_launch_env(env) -> None:
-    """1. Launch: the 0.2x plugin selects cores with NEURON_VISIBLE_DEVICES and refuses
-    NEURON_RT_VISIBLE_CORES from the user (its worker sets one core itself, next to the former)."""
-    if env.get("NEURON_RT_VISIBLE_CORES") and not env.get("NEURON_VISIBLE_DEVICES"):
-        raise NeuronStartupError(
-            f"NEURON_RT_VISIBLE_CORES={env['NEURON_RT_VISIBLE_CORES']} is set: the vLLM Neuron plugin (0.2x) refuses "
-            "it; unset it and list the server's logical cores in NEURON_VISIBLE_DEVICES (e.g. 0-3)")
+    """1. Launch: cores are chosen with NEURON_VISIBLE_DEVICES (`core_visibility_problem`)."""
+    problem = core_visibility_problem(env)
+    if problem:
+        raise NeuronStartupError(problem)
 
 
 def check_runtime_ready(runtime: NeuronRuntime) -> None:

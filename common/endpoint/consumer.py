@@ -22,7 +22,7 @@ from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, request_hello
 from kvpush_common.endpoint.inbox import HandshakeDone, HandshakeFailed, LocalAbort
 from kvpush_common.protocol.identity import TransferKey
-from kvpush_common.plan.blockplan import plan_write
+from kvpush_common.plan.write import plan_write
 from kvpush_common.plan.planner import PlanError
 from kvpush_common.plan.staging import unit_bytes
 from kvpush_common.protocol.topology import producers_for, routes

@@ -15,7 +15,8 @@ import logging
 
 import numpy as np
 
-from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, plan_write, unit_table
+from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, unit_table
+from kvpush_common.plan.write import plan_write
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
 from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush_common.protocol.layout import KVLayout
+from kvpush_common.protocol.layout import KVLayout, same_block_arrangement
 from kvpush_common.plan.planner import PlanError, TransferPlan, check_block_ids, plan_transfer
 from kvpush_common.protocol.topology import HeadRoute
 
@@ -44,10 +44,8 @@ def block_granular(src: KVLayout, dst: KVLayout, route: HeadRoute) -> bool:
     the same arrangement: same block size, and the same block order unless the slice is a single
     head or a block holds a single token (then NHD and HND store identical bytes).
     """
-    same_arrangement = src.order == dst.order or route.num_heads == 1 or src.block_size == 1
-    return (same_arrangement and src.block_size == dst.block_size and len(src.regions) == len(dst.regions)
+    return (same_block_arrangement(src, dst, route.num_heads) and len(src.regions) == len(dst.regions)
             and len(src.regions) * max(src.num_blocks, dst.num_blocks) < 2**31  # int32 indices
-            and src.token_bytes == dst.token_bytes
             and _slice_contiguous(src, route.num_heads) and _slice_contiguous(dst, route.num_heads))
 
 
@@ -139,19 +137,3 @@ def merge_runs(src: KVLayout, dst: KVLayout, route: HeadRoute, plan: BlockPlan,
 
 
 MERGED_MAX_DESCS = 8192  # above this a merged list costs more to build and post than prepped indices
-
-
-def plan_write(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_blocks, *, num_tokens: int,
-               dst_first_token: int = 0, prepped: bool = False) -> BlockPlan | TransferPlan:
-    """The cheapest valid plan for one transfer: block runs merged into few descriptors when the blocks
-    mostly line up; else prepped per-block indices when `prepped` lists exist; else the general planner."""
-    if block_granular(src, dst, route):
-        bp = plan_blocks(src, dst, route, src_blocks, dst_blocks, num_tokens=num_tokens,
-                         dst_first_token=dst_first_token)
-        merged = merge_runs(src, dst, route, bp, MERGED_MAX_DESCS if prepped else None)
-        if merged is not None:
-            return merged
-        if prepped:
-            return bp
-    return plan_transfer(src, dst, route, src_blocks, dst_blocks, num_tokens=num_tokens,
-                         dst_first_token=dst_first_token)

@@ -58,11 +58,11 @@ def _block_ids(ids, side: str) -> np.ndarray:
     return arr
 
 
-def _needed(ids: np.ndarray, first: int, count: int, layout: KVLayout, side: str, tokens: str) -> np.ndarray:
+def _needed(ids: np.ndarray, first: int, count: int, layout: KVLayout, side: str, needed_for: str) -> np.ndarray:
     """ids[first:first+count], checked against the layout's block count, as int64."""
     if ids.size < first + count:
         raise PlanError(
-            f"{side} has {ids.size} block ids but tokens {tokens} need {first + count} "
+            f"{side} has {ids.size} block ids but {needed_for} need {first + count} "
             f"(block_size {layout.block_size})"
         )
     sel = ids[first : first + count]
@@ -76,9 +76,10 @@ def _needed(ids: np.ndarray, first: int, count: int, layout: KVLayout, side: str
     return sel.astype(np.int64)
 
 
-def check_block_ids(ids, first: int, count: int, layout: KVLayout, side: str) -> np.ndarray:
-    """ids[first:first+count] as int64, each in range; on "dst" also no duplicates.  PlanError otherwise."""
-    sel = _needed(_block_ids(ids, side), first, count, layout, side, f"blocks [{first}, {first + count})")
+def check_block_ids(ids, first: int, count: int, layout: KVLayout, side: str, needed_for: str = "") -> np.ndarray:
+    """ids[first:first+count] as int64, each in range; on "dst" also no duplicates.  PlanError otherwise.
+    The one block-id validator of every planning path (tokens, whole blocks, staged chunks)."""
+    sel = _needed(_block_ids(ids, side), first, count, layout, side, needed_for or f"blocks [{first}, {first + count})")
     if side == "dst" and np.unique(sel).size != sel.size:
         vals, counts = np.unique(sel, return_counts=True)
         raise PlanError(f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other")
@@ -165,17 +166,10 @@ def plan_transfer(
     _check_heads(src, hs0, nh, "src")
     _check_heads(dst, hd0, nh, "dst")
 
-    tokens = f"[{first}, {num_tokens})"
-    s_ids = _block_ids(src_blocks, "src")
-    d_ids = _block_ids(dst_blocks, "dst")
+    tokens = f"tokens [{first}, {num_tokens})"
     s_first_blk = first // bs_s
-    s_ids = _needed(s_ids, s_first_blk, (num_tokens - 1) // bs_s + 1 - s_first_blk, src, "src", tokens)
-    d_ids = _needed(d_ids, 0, (num_tokens - first - 1) // bs_d + 1, dst, "dst", tokens)
-    if np.unique(d_ids).size != d_ids.size:
-        vals, counts = np.unique(d_ids, return_counts=True)
-        raise PlanError(
-            f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other"
-        )
+    s_ids = check_block_ids(src_blocks, s_first_blk, (num_tokens - 1) // bs_s + 1 - s_first_blk, src, "src", tokens)
+    d_ids = check_block_ids(dst_blocks, 0, (num_tokens - first - 1) // bs_d + 1, dst, "dst", tokens)
 
     # ---- items: pieces of the token range (per region, to be broadcast over regions)
     tb = src.token_bytes

@@ -23,16 +23,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpush_common.protocol.layout import KVLayout
+from kvpush_common.protocol.layout import KVLayout, same_block_arrangement
 from kvpush_common.plan.planner import PlanError, check_block_ids
 from kvpush_common.protocol.topology import HeadRoute
 
 
 def whole_block_units(src: KVLayout, dst: KVLayout, route: HeadRoute) -> bool:
     """Can this route move as chunks of whole blocks (same unit bytes on both sides)?"""
-    return (src.block_size == dst.block_size and len(src.regions) == len(dst.regions)
-            and route.num_heads == src.num_heads == dst.num_heads and src.token_bytes == dst.token_bytes
-            and (src.order == dst.order or src.num_heads == 1 or src.block_size == 1)
+    return (same_block_arrangement(src, dst, route.num_heads) and len(src.regions) == len(dst.regions)
+            and route.num_heads == src.num_heads == dst.num_heads
             and src.kv_planes == dst.kv_planes and src.token_rows == dst.token_rows)
 
 

@@ -96,6 +96,14 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
         return (self.num_layers, self.head_dim, self.dtype, self.dtype_size, self.kv_planes, self.token_rows)
 
 
+def same_block_arrangement(src: KVLayout, dst: KVLayout, num_heads: int) -> bool:
+    """A block's bytes of `num_heads` heads sit in the same order on both sides, so whole blocks copy as they
+    are: the same block size and token bytes, and the same block order unless the slice is one head or a block
+    holds one token (then NHD and HND store identical bytes)."""
+    return (src.block_size == dst.block_size and src.token_bytes == dst.token_bytes
+            and (src.order == dst.order or num_heads == 1 or src.block_size == 1))
+
+
 def check_pairable(src: KVLayout, dst: KVLayout) -> None:
     """Raise LayoutError with the first mismatch that makes a byte-exact copy impossible."""
     if src.geometry() != dst.geometry():

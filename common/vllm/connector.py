@@ -28,9 +28,27 @@ class KVPushConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.settings)
         else:
+            import dataclasses
+
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+            transport = self.choose_transport(extra)  # before NIXL starts (register_kv_caches)
+            if transport is not None:
+                self.settings = dataclasses.replace(self.settings, backend=transport.backend,
+                                                    backend_params=transport.backend_params)
             self._worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), self.make_backend)
+
+    def choose_transport(self, extra: dict):
+        """Worker side, at start: the NIXL backend a device needs (a `TransportConfig`), or None to use
+        `backend` / `backend_params` from kv_connector_extra_config as given.  Device connectors run their
+        EFA preflight here."""
+        return None
+
+    def local_kv_heads(self) -> int:
+        """KV heads this TP rank holds (at least one: heads are replicated when TP exceeds them)."""
+        cfg = self._vllm_config
+        return max(1, cfg.model_config.get_total_num_kv_heads() // cfg.parallel_config.tensor_parallel_size)
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         from kvpush_common.vllm.host_cache import VllmCpuCache
