@@ -67,13 +67,14 @@ def run_producer(sim: bool, core: int) -> dict:
 
 def run_consumer(sim: bool, core: int, port: int) -> dict:
     from kvpush_common.endpoint.config import EndpointConfig
-    from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+    from kvpush_common.endpoint.consumer import ConsumerEndpoint
+    from kvpush_common.protocol.legs import ProducerIdentity
 
     slab, transport = _side(sim, core)
     slab.write_bytes(np.full(slab.read_bytes().size, 0xAB, dtype=np.uint8))
     ep = ConsumerEndpoint(EndpointConfig(engine_id="D", total_kv_heads=GEO["num_heads"], transport=transport),
                           slab).start()
-    ep.expect("hw", 0, ProducerRef("P", "127.0.0.1", port, 1), D_BLOCKS, TOKENS)
+    ep.expect("hw", 0, ProducerIdentity(engine_id="P", host="127.0.0.1", port=port, tp_size=1), D_BLOCKS, TOKENS)
     result = _wait(ep)
     ep.close()
     src = np.random.default_rng(SEED).integers(0, 256, slab.read_bytes().size, dtype=np.uint8)

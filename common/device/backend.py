@@ -32,7 +32,7 @@ class DeviceBackend(ABC):
         return None
 
     def kv_written(self, token: object) -> bool:
-        """Writer thread: has the work behind `token` finished on the device?"""
+        """Worker thread: has the work behind `token` finished on the device?"""
         return True
 
     # ---- staged transfers (optional; see staging.py) -------------------------------------------------

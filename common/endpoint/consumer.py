@@ -22,6 +22,7 @@ from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, request_hello
 from kvpush_common.endpoint.inbox import HandshakeDone, HandshakeFailed, LocalAbort
 from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.plan.write import plan_write
 from kvpush_common.plan.planner import PlanError
 from kvpush_common.plan.staging import unit_bytes
@@ -31,16 +32,6 @@ from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Chun
                    Register, Revoke, RevokeAck, SlotFree, Staging, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProducerRef:
-    """How to reach a producer engine: learned by the router at start-up, not per request."""
-
-    engine_id: str
-    host: str
-    base_port: int  # rank r serves its side channel on base_port + r
-    tp_size: int
 
 
 @dataclass
@@ -55,7 +46,7 @@ class _Read:
 @dataclass(frozen=True)
 class Expect:
     key: TransferKey
-    producer: ProducerRef
+    producer: ProducerIdentity
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
@@ -82,7 +73,7 @@ class ConsumerEndpoint(Endpoint):
         self._chunks: dict[tuple[TransferKey, tuple[str, int]], int] = {}  # staged chunks scattered so far
 
     # ---- engine-facing ---------------------------------------------------------------------------
-    def expect(self, transfer_id: str, attempt: int, producer: ProducerRef, block_ids, num_tokens: int,
+    def expect(self, transfer_id: str, attempt: int, producer: ProducerIdentity, block_ids, num_tokens: int,
                first_token: int = 0) -> None:
         """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
         self._enqueue(Expect(TransferKey(transfer_id, attempt), producer, tuple(map(int, block_ids)),
@@ -256,11 +247,11 @@ class ConsumerEndpoint(Endpoint):
             self._pool.submit(self._handshake, e.producer, prod[1])
         waiting.append(e)
 
-    def _handshake(self, ref: ProducerRef, rank: int) -> None:
+    def _handshake(self, ref: ProducerIdentity, rank: int) -> None:
         """Pool thread: ZMQ only; the result goes back to the worker through the inbox."""
         prod = (ref.engine_id, rank)
         try:
-            hello = request_hello(ref.host, ref.base_port + rank, self.local_hello(self._lend_partition(prod)),
+            hello = request_hello(ref.host, ref.port + rank, self.local_hello(self._lend_partition(prod)),
                                   self.cfg.secret,
                                   self.cfg.handshake_timeout_s)
             reason = self.check_peer_hello(hello, "producer")
@@ -271,7 +262,7 @@ class ConsumerEndpoint(Endpoint):
                 # our fence wait after a revoke assumes no WRITE outlives our own write_timeout_s
                 reason = (f"producer write_timeout_s {hello.write_timeout_ms / 1000:g} exceeds this consumer's "
                           f"{self.cfg.write_timeout_s:g}: raise the consumer's write_timeout_s")
-            addr = (ref.host, ref.base_port + rank)
+            addr = (ref.host, ref.port + rank)
             self._enqueue(HandshakeFailed(prod, reason) if reason else HandshakeDone(prod, hello, addr))
         except HandshakeError as err:
             self._enqueue(HandshakeFailed(prod, str(err)))

@@ -1,7 +1,7 @@
 """Producer-side rendezvous: pair destination registrations with local KV readiness.
 
 Pure state machine (no threads, no I/O, time passed in) so every interleaving can be tested.  Inputs
-are events; outputs are actions the writer thread carries out.  A destination is one consumer rank,
+are events; outputs are actions the worker thread carries out.  A destination is one consumer rank,
 `(consumer_engine, consumer_rank)`.  For a key:
 
     registration + ready  -> StartWrite per destination (whichever arrives second triggers it)

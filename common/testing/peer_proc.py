@@ -23,7 +23,8 @@ import numpy as np
 from kvpush_common.testing.kvref import logical_view  # noqa: E402
 
 from kvpush_common.endpoint.config import EndpointConfig  # noqa: E402
-from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef  # noqa: E402
+from kvpush_common.endpoint.consumer import ConsumerEndpoint
+from kvpush_common.protocol.legs import ProducerIdentity  # noqa: E402
 from kvpush_common.endpoint.base import nixl_transport  # noqa: E402
 from kvpush_common.testing.faults import FaultPlan, FaultyTransport  # noqa: E402
 from kvpush_common.endpoint.producer import ProducerEndpoint  # noqa: E402
@@ -143,7 +144,7 @@ class Peer:
         return {}
 
     def op_expect(self, tid, attempt, producer, blocks, num_tokens, first_token=0):
-        self.ep.expect(tid, attempt, ProducerRef(**producer), blocks, num_tokens, first_token)
+        self.ep.expect(tid, attempt, ProducerIdentity(**producer), blocks, num_tokens, first_token)
         return {}
 
     def op_abort(self, tid, attempt, reason="test abort"):

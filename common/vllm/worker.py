@@ -10,7 +10,7 @@ import logging
 import threading
 from typing import Callable
 
-from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.endpoint.consumer import ConsumerEndpoint
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.endpoint.producer import ProducerEndpoint
@@ -55,8 +55,7 @@ class WorkerSide:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
             ep.event("recv_staged", key)
-            ref = ProducerRef(op.producer.engine_id, op.producer.host, op.producer.port, op.producer.tp_size)
-            args = (op.transfer_id, op.attempt, ref, op.block_ids, op.num_tokens, op.first_token)
+            args = (op.transfer_id, op.attempt, op.producer, op.block_ids, op.num_tokens, op.first_token)
             self._later(self.settings.register_delay_s, ep.expect, args)
         for op in meta.sends:
             self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
