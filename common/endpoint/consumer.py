@@ -10,6 +10,7 @@ thread plans and posts the READ (its ReadResult rides on it to the producer) and
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ import numpy as np
 from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, request_hello
-from kvpush_common.endpoint.inbox import HandshakeDone, HandshakeFailed, LocalAbort
+from kvpush_common.endpoint.inbox import Expect, HandshakeDone, HandshakeFailed, LocalAbort
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.plan.write import plan_write
@@ -33,6 +34,8 @@ from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Chun
 
 log = logging.getLogger(__name__)
 
+MAX_CHUNKS_REMEMBERED = 1 << 16  # chunk notifications remembered to drop repeats (a few MB at most)
+
 
 @dataclass
 class _Read:
@@ -41,15 +44,6 @@ class _Read:
     handle: object
     posted_at: float
     deadline: float
-
-
-@dataclass(frozen=True)
-class Expect:
-    key: TransferKey
-    producer: ProducerIdentity
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
 
 
 class ConsumerEndpoint(Endpoint):
@@ -70,7 +64,10 @@ class ConsumerEndpoint(Endpoint):
         self._addr: dict[tuple[str, int], tuple[str, int]] = {}  # producer rank -> side channel it answered on
         self._partitions: dict[tuple[str, int], int] = {}  # producer rank -> staging partition lent to it
         self._partition_lock = threading.Lock()  # handshakes run on pool threads
-        self._chunks: dict[tuple[TransferKey, tuple[str, int]], int] = {}  # staged chunks scattered so far
+        self._chunks: dict[tuple[TransferKey, tuple[str, int]], set[int]] = {}  # staged chunk indices scattered
+        # every ChunkWritten acted on, most recent last (bounded): a repeat is dropped, never scattered or freed
+        # again, since by then its slot may hold another chunk
+        self._chunks_seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def expect(self, transfer_id: str, attempt: int, producer: ProducerIdentity, block_ids, num_tokens: int,
@@ -161,11 +158,20 @@ class ConsumerEndpoint(Endpoint):
         part = self._partitions.get(prod)
         unit = len(self.layout.regions) * unit_bytes(self.layout)
         slots = self._slots_per_partition()
-        if part is None or msg.slot >= slots or msg.count * unit > self.staging.chunk_bytes:
+        if (part is None or msg.slot >= slots or msg.count * unit > self.staging.chunk_bytes
+                or not 0 <= msg.chunk < msg.chunks):
             self.stats.rejected_msgs.labels(reason="bad_chunk").inc()
-            log.warning("dropped ChunkWritten from %s: slot %d / %d blocks outside what we lent", peer.agent,
-                        msg.slot, msg.count)
+            log.warning("dropped ChunkWritten from %s: chunk %d/%d, slot %d, %d blocks outside what we lent",
+                        peer.agent, msg.chunk, msg.chunks, msg.slot, msg.count)
             return []
+        seen = (key, prod, msg.chunk)
+        if seen in self._chunks_seen:
+            self.stats.rejected_msgs.labels(reason="duplicate_chunk").inc()
+            log.warning("dropped a repeated ChunkWritten %s chunk %d from %s", key, msg.chunk, peer.agent)
+            return []
+        self._chunks_seen[seen] = None
+        while len(self._chunks_seen) > MAX_CHUNKS_REMEMBERED:
+            self._chunks_seen.popitem(last=False)
         out: list = []
         e = self._expects.get(key)
         if e is not None and self.completion.wants_registration(key):
@@ -178,9 +184,9 @@ class ConsumerEndpoint(Endpoint):
                 except Exception as err:  # the blocks may be half written: the key fails, nothing is usable
                     out = self.completion.on_failed(key, prod, f"scatter failed: {err}", now)
                 else:
-                    n = self._chunks.get((key, prod), 0) + 1
-                    self._chunks[(key, prod)] = n
-                    if n == msg.chunks:
+                    done = self._chunks.setdefault((key, prod), set())
+                    done.add(msg.chunk)
+                    if len(done) == msg.chunks:  # every chunk index of this producer rank scattered
                         del self._chunks[(key, prod)]
                         out = self.completion.on_done(key, prod, now)
         self._send(peer, SlotFree(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, slot=msg.slot))

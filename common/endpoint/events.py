@@ -1,7 +1,8 @@
 """Per-request event log of an endpoint (opt-in), for timelines in the demo and order checks in tests.
 
 Set KVPUSH_EVENT_DIR: each endpoint appends JSON lines `{"t": wall time, "ev": name, "tid", "attempt"}`
-to `<dir>/<engine>-<role>-r<rank>.jsonl` from its worker thread.  Off by default: no cost.
+to `<dir>/<engine>-<role>-r<rank>.jsonl` (from the worker thread, and from the engine thread when the
+vLLM worker hooks stage a send or receive).  Off by default: no cost.
 """
 
 from __future__ import annotations

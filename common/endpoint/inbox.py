@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.protocol.wire import Hello
 from kvpush_common.state.rendezvous import ReadyKV
 
@@ -26,6 +27,18 @@ class LocalAbort:
 
     key: TransferKey
     reason: str
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Consumer, engine thread: blocks are allocated for this request; register them with its producer ranks
+    (`first_token` > 0 when a local prefix is cached).  Kept by the consumer until the request ends."""
+
+    key: TransferKey
+    producer: ProducerIdentity
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
 
 
 @dataclass(frozen=True)

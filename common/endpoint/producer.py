@@ -419,7 +419,8 @@ class ProducerEndpoint(Endpoint):
         if st.failed:
             self._inflight.remove(item)
             self.event("write_failed", item.key, state="staged")
-            return self._fail_write(item.start, "write_error", st.failed, now)
+            return self._fail_write(item.start, "write_timeout" if "timed out" in st.failed else "write_error",
+                                    st.failed, now)
         if st.done_chunks == st.chunks:
             self._inflight.remove(item)
             self.event("write_done", item.key, state="DONE", staged=True)

@@ -1,6 +1,6 @@
 """Staged transfers: fragmentation-immune pushes through contiguous staging buffers.
 
-NIXL pays per non-contiguous descriptor (UCX cuda_ipc: ~10 us each on H200, inside `transfer()`), so
+NIXL pays per non-contiguous descriptor (UCX cuda_ipc: ~4-9 us each on H200, inside `transfer()`), so
 a request whose blocks are scattered on either side can take a second to post.  A staged push
 instead gathers the request's blocks into a contiguous slot of the producer's staging pool, WRITEs
 the slot in one descriptor into a slot the consumer lent it at handshake, and the consumer scatters

@@ -50,7 +50,7 @@ class _Pending:
 
 
 class Completion:
-    def __init__(self, *, transfer_timeout_s: float = 60.0, fence_wait_s: float = 45.0, tombstone_s: float = 600.0):
+    def __init__(self, *, transfer_timeout_s: float, fence_wait_s: float, tombstone_s: float = 600.0):
         """`fence_wait_s` bounds how long a revoked, silent producer may still write: its registration
         TTL (heartbeats stop on failure) plus its write timeout plus a grace (EndpointConfig.fence_wait_s)."""
         self.transfer_timeout_s = transfer_timeout_s

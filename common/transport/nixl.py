@@ -1,6 +1,6 @@
 """The one small interface kvpush needs from NIXL, and its real implementation.
 
-Only the writer/worker thread of an endpoint calls a Transport (NIXL agents are not documented as
+Only the worker thread of an endpoint calls a Transport (NIXL agents are not documented as
 thread-safe).  Descriptors are (N, 3) uint64 arrays `[addr, length, device_id]`.  NIXL's own
 `get_serialized_descs` pickles; nothing here serialises descriptors: peers exchange layouts in the
 msgspec handshake and each side builds the remote descriptors itself.

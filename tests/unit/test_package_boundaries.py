@@ -4,7 +4,7 @@ import each other; no pickle."""
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _imports(pkg_dir: Path) -> set[str]:
@@ -58,7 +58,7 @@ def test_no_pickle_anywhere():
 
 # kvpush_common's layers and what each may import (besides itself): protocol and transport at the bottom,
 # the planner and the state machines on the protocol, endpoints on all of those, the vLLM connector on the
-# endpoints; the router speaks only the protocol; ops (cli, deploy, efa) runs the router; testing may use
+# endpoints; the router speaks only the protocol; ops (cli, deploy) runs the router; testing may use
 # everything but ops.
 LAYERS = {
     "protocol": set(),
