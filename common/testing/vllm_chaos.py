@@ -1,6 +1,6 @@
 """A vLLM CPU pair (prefill P, decode D with kv_load_failure_policy=recompute) behind the kvpush
 router, with process-level faults: SIGSTOP/SIGCONT and SIGKILL + restart of the prefill.  Used by
-tests/chaos/test_chaos_vllm.py (short, CI) and scripts/chaos_load.py (minutes, scripts/chaos.sh)."""
+tests/chaos/test_chaos_vllm.py (short, CI) and scripts/chaos/chaos_load.py (minutes, scripts/chaos/chaos.sh)."""
 
 from __future__ import annotations
 

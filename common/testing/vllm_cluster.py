@@ -64,7 +64,7 @@ def free_port_pair() -> int:
 
 
 def make_model(directory: Path, seed: int) -> Path:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(directory), "--seed", str(seed)],
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "dev" / "make_tiny_model.py"), str(directory), "--seed", str(seed)],
                    check=True, stdout=subprocess.DEVNULL)
     return directory
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Long chaos and fuzzing runs (CI runs a short seeded version: pytest -m chaos).
 #
-#   scripts/chaos.sh                 # everything: fuzz, core chaos over many seeds, vLLM load under faults
-#   scripts/chaos.sh fuzz|core|load  # one part
+#   scripts/chaos/chaos.sh                 # everything: fuzz, core chaos over many seeds, vLLM load under faults
+#   scripts/chaos/chaos.sh fuzz|core|load  # one part
 #
 # Knobs (environment): FUZZ_RUNS (inputs per fuzz target, default 100000), SEEDS (core chaos seeds,
 # default 1..10), LOAD_S (load test seconds, default 240), OUT (results folder).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 OUT=${OUT:-runs/chaos/$(date -u +%Y%m%dT%H%M%SZ)}
 FUZZ_RUNS=${FUZZ_RUNS:-100000}
@@ -43,7 +43,7 @@ fi
 
 if [[ $PARTS == all || $PARTS == load ]]; then
   echo "== vLLM pair under faults, ${LOAD_S}s"
-  $PY scripts/chaos_load.py --duration "$LOAD_S" --out "$OUT/load.json" >"$OUT/load.log" 2>&1 || rc=1
+  $PY scripts/chaos/chaos_load.py --duration "$LOAD_S" --out "$OUT/load.json" >"$OUT/load.log" 2>&1 || rc=1
   tail -n 40 "$OUT/load.log"
 fi
 echo "results in $OUT (rc $rc)"

@@ -6,7 +6,7 @@ recomputes), SIGKILL + restart, and clients that hang up mid-request (the decode
 Reports requests served (exact vs a single instance), served wrong (must be 0), failed, recomputed
 (the decode's failed KV receives), p50/p99 TTFT, and resident memory of P and D at start and end.
 
-    .venv/bin/python scripts/chaos_load.py --duration 240 --seed 1 --out runs/chaos/load.json
+    .venv/bin/python scripts/chaos/chaos_load.py --duration 240 --seed 1 --out runs/chaos/load.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from kvpush_common.testing.vllm_chaos import GEN, TIMEOUTS, Pair, env_with_events, prompts, rss_mib  # noqa: E402
 from kvpush_common.testing.vllm_cluster import scratch_dir, sse_chunks  # noqa: E402

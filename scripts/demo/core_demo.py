@@ -3,7 +3,7 @@ processes over real NIXL (UCX, 127.0.0.1), and this script as the router.
 
 For each request the router dispatches both legs at once: the consumer registers its destination
 blocks while the producer is still "prefilling" (a sleep standing in for the model), the producer's
-writer thread pushes the KV when it is ready, and the consumer reports it usable.  Every
+worker thread pushes the KV when it is ready, and the consumer reports it usable.  Every
 destination byte is compared with the source.  Prints a per-request timeline.
 """
 
@@ -43,7 +43,7 @@ def main() -> int:
                backend=dict(kind="host", **GEO))
         p.call("fill", seed=args.seed)
         d.call("poison", byte=0xAB)
-        ref = dict(engine_id="prefill-0", host="127.0.0.1", base_port=port, tp_size=1)
+        ref = dict(engine_id="prefill-0", host="127.0.0.1", port=port, tp_size=1)
         free_p, free_d = list(range(GEO["num_blocks"])), list(range(GEO["num_blocks"]))
         rng.shuffle(free_p), rng.shuffle(free_d)
         reqs, lock = [], threading.Lock()

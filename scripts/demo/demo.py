@@ -18,7 +18,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
 
 from kvpush_common.endpoint.events import read_events  # noqa: E402

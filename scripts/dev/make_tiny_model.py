@@ -4,7 +4,7 @@ Deterministic by seed: the tokenizer is a byte-level BPE trained on Python's own
 sources (sorted, first 200 files), the weights come from torch's seeded generator.  A different
 seed gives the same shapes and tokenizer with other weights (the control in the vLLM tests).
 
-    python scripts/make_tiny_model.py OUT_DIR [--seed 0]
+    python scripts/dev/make_tiny_model.py OUT_DIR [--seed 0]
 """
 
 from __future__ import annotations

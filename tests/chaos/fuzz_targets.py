@@ -1,6 +1,6 @@
 """Fuzz targets: every decoder that reads bytes from a socket, plus the producer's handling of
 registrations up to the point where descriptors are built.  Used by the hypothesis tests
-(tests/chaos/test_chaos_fuzz.py) and by atheris (tests/chaos/fuzz_atheris.py, scripts/chaos.sh).
+(tests/chaos/test_chaos_fuzz.py) and by atheris (tests/chaos/fuzz_atheris.py, scripts/chaos/chaos.sh).
 
 Each target takes bytes and either returns or raises `Refused` (a clear, expected refusal).  Any
 other exception is a bug.

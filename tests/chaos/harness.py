@@ -168,7 +168,7 @@ class Chaos:
 
     @property
     def producer_ref(self) -> dict:
-        return dict(engine_id="P", host="127.0.0.1", base_port=self.port, tp_size=1)
+        return dict(engine_id="P", host="127.0.0.1", port=self.port, tp_size=1)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_request(self, *, n: int | None = None, attempt: int = 0, tid: str | None = None) -> Req:

@@ -1,7 +1,7 @@
 """Chaos runs of the protocol core: real producer and consumer processes over real NIXL, a seeded
 schedule of faults, and the invariants of tests/chaos/harness.py checked after every run.
 
-CI runs one seed per scenario (`-m chaos`).  `scripts/chaos.sh` runs many (KVPUSH_CHAOS_SEEDS).
+CI runs one seed per scenario (`-m chaos`).  `scripts/chaos/chaos.sh` runs many (KVPUSH_CHAOS_SEEDS).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 
 from harness import FAST, Chaos
 
-pytestmark = [pytest.mark.chaos, pytest.mark.nixl, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(240)]  # `chaos` comes from the folder
 
 SEEDS = [int(s) for s in os.environ.get("KVPUSH_CHAOS_SEEDS", "1").split(",")]
-ROWS = os.environ.get("KVPUSH_CHAOS_ROWS")  # scripts/chaos.sh: append one JSON line per run here
+ROWS = os.environ.get("KVPUSH_CHAOS_ROWS")  # scripts/chaos/chaos.sh: append one JSON line per run here
 
 
 def record(name: str, seed: int, summary: dict, **extra) -> None:

@@ -1,6 +1,6 @@
 """Fuzzing every decoder that reads from a socket (wire frames, the handshake, the router's inputs)
 and the producer's registration handling, with hypothesis.  CI runs a small budget; the long run
-(`scripts/chaos.sh`) uses atheris (tests/chaos/fuzz_atheris.py) for >= 100k inputs per target, or
+(`scripts/chaos/chaos.sh`) uses atheris (tests/chaos/fuzz_atheris.py) for >= 100k inputs per target, or
 these tests with KVPUSH_FUZZ_EXAMPLES when atheris is missing.
 
 Also: forged, oversized, out-of-range, foreign, version- and mode-mismatched inputs are refused
@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 import fuzz_targets as ft
 from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, BadSignature, Codec, Heartbeat, KeyRef, MalformedMessage,
                                 MessageTooLarge, Register, UnsupportedVersion, WriteDone)
-
-pytestmark = pytest.mark.chaos
 
 EXAMPLES = int(os.environ.get("KVPUSH_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

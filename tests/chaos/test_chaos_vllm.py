@@ -2,7 +2,7 @@
 bound while a decode leg waits for its KV.  With kv_load_failure_policy=recompute the decode must
 end the wait within its bound, recompute, and answer exactly like a single instance; after the
 prefill resumes, requests through the router transfer KV again and stay exact.  The long version
-(scripts/chaos_load.py) adds a steady stream, a prefill SIGKILL + restart and load figures."""
+(scripts/chaos/chaos_load.py) adds a steady stream, a prefill SIGKILL + restart and load figures."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_chaos import GEN, Pair, TIMEOUTS, complete, env_with_events, prompts, text_of
 from kvpush_common.testing.vllm_cluster import post_json, scratch_dir
 
-pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # `chaos` comes from the folder
 
 BOUND_S = TIMEOUTS["transfer_timeout_s"] + TIMEOUTS["reg_ttl_s"] + TIMEOUTS["write_timeout_s"] + 5  # fence grace
 

@@ -1,6 +1,6 @@
-"""scripts/trainium/*.sh and scripts/p5en/*.sh with --dry-run: every server with its generated
-environment and device split, kvpush doctor before each, the router, the health waits, the 20-point
-`vllm bench serve` sweep writing JSON into the results directory, --install, and nothing written."""
+"""scripts/deploy/run.sh (--target neuron|cuda, --layout 1p1d-same-host|1p1d-two-host|xpyd) with --dry-run: every
+server with its generated environment and device split, kvpush doctor before each, the router, the health waits,
+the 20-point `vllm bench serve` sweep writing JSON into the results directory, --install, and nothing written."""
 
 import os
 import re
@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "scripts" / "deploy" / "run.sh"
 KVPUSH = Path(sys.executable).parent / "kvpush"
 TWO_HOSTS = ["--prefill-host", "10.9.0.1", "--decode-host", "10.9.0.2"]
 
 
-def dry_run(script: str, *args: str, tmp_path: Path) -> str:
+def dry_run(target: str, layout: str, *args: str, tmp_path: Path) -> str:
     results = tmp_path / "results"
-    out = subprocess.run(["bash", str(ROOT / "scripts" / script), "--dry-run", "--results", str(results), *args],
+    out = subprocess.run(["bash", str(RUN), "--target", target, "--layout", layout, "--dry-run", "--results", str(results),
+                          *args],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, "KVPUSH": str(KVPUSH)})
     assert out.returncode == 0, out.stderr
@@ -99,7 +101,7 @@ def neuron_cores(s) -> set[int]:
 
 
 def test_trainium_1p1d_same_host(tmp_path):
-    out = dry_run("trainium/1p1d-same-host.sh", tmp_path=tmp_path)
+    out = dry_run("neuron", "1p1d-same-host", tmp_path=tmp_path)
     srv = check_common(out, tmp_path, "neuron", 1, 1)
     p, d = srv["prefill0"], srv["decode0"]
     assert p["env"]["NEURON_VISIBLE_DEVICES"] == "0-7" and d["env"]["NEURON_VISIBLE_DEVICES"] == "32-39"
@@ -111,7 +113,7 @@ def test_trainium_1p1d_same_host(tmp_path):
 
 
 def test_trainium_1p1d_two_hosts(tmp_path):
-    out = dry_run("trainium/1p1d-two-host.sh", *TWO_HOSTS, tmp_path=tmp_path)
+    out = dry_run("neuron", "1p1d-two-host", *TWO_HOSTS, tmp_path=tmp_path)
     srv = check_common(out, tmp_path, "neuron", 1, 1)
     p, d = srv["prefill0"], srv["decode0"]
     assert p["host"] == "10.9.0.1" and d["host"] == "10.9.0.2"
@@ -124,13 +126,13 @@ def test_trainium_1p1d_two_hosts(tmp_path):
 
 
 def test_trainium_two_host_needs_both_addresses(tmp_path):
-    out = subprocess.run(["bash", str(ROOT / "scripts/trainium/1p1d-two-host.sh"), "--dry-run"], capture_output=True,
+    out = subprocess.run(["bash", str(RUN), "--target", "neuron", "--layout", "1p1d-two-host", "--dry-run"], capture_output=True,
                          text=True, env={**os.environ, "KVPUSH": str(KVPUSH)})
     assert out.returncode == 2 and "needs --prefill-host and --decode-host" in out.stderr
 
 
 def test_trainium_xpyd(tmp_path):
-    out = dry_run("trainium/xpyd.sh", "--num-prefill", "3", "--num-decode", "2", "--tp", "8", tmp_path=tmp_path)
+    out = dry_run("neuron", "xpyd", "--num-prefill", "3", "--num-decode", "2", "--tp", "8", tmp_path=tmp_path)
     srv = check_common(out, tmp_path, "neuron", 3, 2)
     cores = {n: neuron_cores(s) for n, s in srv.items() if n != "router"}
     assert cores["prefill0"] == set(range(0, 8)) and cores["prefill2"] == set(range(16, 24))
@@ -139,54 +141,60 @@ def test_trainium_xpyd(tmp_path):
     assert len(every) == len(set(every))  # no core shared
     ports = re.findall(r'"port":(\d+)', out)
     assert ports == ["5700", "5708", "5716"]  # each prefill's side-channel ports (base + rank) are its own
-    two = dry_run("trainium/xpyd.sh", "--topology", "two-host", *TWO_HOSTS, tmp_path=tmp_path)
+    two = dry_run("neuron", "xpyd", "--topology", "two-host", *TWO_HOSTS, tmp_path=tmp_path)
     srv = check_common(two, tmp_path, "neuron", 2, 2)
     assert neuron_cores(srv["prefill1"]) == neuron_cores(srv["decode1"]) == set(range(8, 16))
 
 
 def test_p5en_set(tmp_path):
-    out = dry_run("p5en/1p1d-same-host.sh", tmp_path=tmp_path)
+    out = dry_run("cuda", "1p1d-same-host", tmp_path=tmp_path)
     srv = check_common(out, tmp_path, "cuda", 1, 1)
     assert srv["prefill0"]["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert srv["decode0"]["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert "NEURON_RT_MAP_HBM" not in srv["prefill0"]["env"]
-    out = dry_run("p5en/1p1d-two-host.sh", *TWO_HOSTS, tmp_path=tmp_path)
+    out = dry_run("cuda", "1p1d-two-host", *TWO_HOSTS, tmp_path=tmp_path)
     srv = check_common(out, tmp_path, "cuda", 1, 1)
     assert srv["decode0"]["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and srv["decode0"]["host"] == "10.9.0.2"
-    out = dry_run("p5en/xpyd.sh", tmp_path=tmp_path)
+    out = dry_run("cuda", "xpyd", tmp_path=tmp_path)
     srv = check_common(out, tmp_path, "cuda", 2, 2)
     assert [srv[n]["env"]["CUDA_VISIBLE_DEVICES"] for n in ("prefill0", "prefill1", "decode0", "decode1")] == [
         "0,1", "2,3", "4,5", "6,7"]
 
 
-@pytest.mark.parametrize("script,want", [
-    ("trainium/1p1d-same-host.sh", f'--extra-index-url https://pip.repos.neuron.amazonaws.com -e "{ROOT}[neuron]"'),
-    ("p5en/1p1d-same-host.sh", f'-m pip install -e "{ROOT}[cuda]"'),
+@pytest.mark.parametrize("target,want", [
+    ("neuron", f'--extra-index-url https://pip.repos.neuron.amazonaws.com -e "{ROOT}[neuron]"'),
+    ("cuda", f'-m pip install -e "{ROOT}[cuda]"'),
 ])
-def test_install_step(tmp_path, script, want):
-    out = dry_run(script, "--install", tmp_path=tmp_path)
+def test_install_step(tmp_path, target, want):
+    out = dry_run(target, "1p1d-same-host", "--install", tmp_path=tmp_path)
     install = [line for line in out.splitlines() if line.startswith("+ ") and "pip install" in line]
     assert len(install) == 1 and want in install[0] and "nixl-cu13==1.5.1" in install[0]
     assert out.index("pip install") < out.index("# ---- prefill0")
-    two = dry_run("trainium/1p1d-two-host.sh", "--install", *TWO_HOSTS, tmp_path=tmp_path)
+    two = dry_run("neuron", "1p1d-two-host", "--install", *TWO_HOSTS, tmp_path=tmp_path)
     assert len([line for line in two.splitlines() if line.startswith("+ ssh ") and "pip install" in line]) == 2
 
 
 def test_sweep_options_and_unknown_option(tmp_path):
-    out = dry_run("p5en/1p1d-same-host.sh", "--inputs", "512", "--qps", "3", "--duration", "10",
+    out = dry_run("cuda", "1p1d-same-host", "--inputs", "512", "--qps", "3", "--duration", "10",
                   "--model", "Qwen/Qwen3-8B", tmp_path=tmp_path)
     bench = [line for line in out.splitlines() if " bench serve " in line]
     assert len(bench) == 1 and "--num-prompts 30" in bench[0] and "--model Qwen/Qwen3-8B" in bench[0]
-    bad = subprocess.run(["bash", str(ROOT / "scripts/p5en/xpyd.sh"), "--dry-run", "--bogus"], capture_output=True,
+    bad = subprocess.run(["bash", str(RUN), "--target", "cuda", "--layout", "xpyd", "--dry-run", "--bogus"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
 
 
-def test_scripts_are_small_and_share_one_lib():
-    for d in ("trainium", "p5en"):
-        for s in sorted((ROOT / "scripts" / d).glob("*.sh")):
-            text = s.read_text()
-            assert 'source "$(dirname "$0")/../lib/deploy.sh"' in text and len(text.splitlines()) < 20, s
-            assert os.access(s, os.X_OK), s
-    assert {p.name for p in (ROOT / "scripts/trainium").glob("*.sh")} == {
-        "1p1d-same-host.sh", "1p1d-two-host.sh", "xpyd.sh"} == {p.name for p in (ROOT / "scripts/p5en").glob("*.sh")}
+def test_one_runner_shares_the_lib_and_refuses_a_bad_target_or_layout(tmp_path):
+    text = RUN.read_text()
+    assert 'source "$(dirname "$0")/lib/deploy.sh"' in text and os.access(RUN, os.X_OK)
+    assert sorted(p.name for p in (ROOT / "scripts" / "deploy").rglob("*.sh")) == ["deploy.sh", "run.sh"]
+    for args, why in ((["--dry-run"], "--target and --layout are required"),
+                      (["--target", "gpu", "--layout", "xpyd", "--dry-run"], "--target must be neuron or cuda"),
+                      (["--target", "cuda", "--layout", "2p2d", "--dry-run"], "--layout must be")):
+        bad = subprocess.run(["bash", str(RUN), *args], capture_output=True, text=True, cwd=tmp_path)
+        assert bad.returncode == 2 and why in bad.stderr and "usage:" in bad.stderr, bad.stderr
+    assert list(tmp_path.iterdir()) == []
+    helped = subprocess.run(["bash", str(RUN), "--target", "cuda", "--layout", "xpyd", "--help"], capture_output=True,
+                            text=True)
+    assert helped.returncode == 0 and "--target cuda --layout xpyd [options]" in helped.stdout
+    assert "(default: 2)" in helped.stdout  # cuda xpyd: TP 2 per server (1p1d: 4; neuron: 8)

@@ -1,7 +1,7 @@
 """Backend conformance suite: push scenarios end to end over real NIXL (UCX, 127.0.0.1), producer
 and consumer ranks in separate OS processes, every destination byte verified.
 
-A device backend joins by adding its name to BACKENDS (and teaching tests/peer_proc.py to build
+A device backend joins by adding its name to BACKENDS (and teaching kvpush_common.testing.peer_proc to build
 it); the scenarios do not change.
 """
 
@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 from kvpush_common.testing.procs import PeerProcess
-
-pytestmark = pytest.mark.nixl
 
 BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu), "neuron-sim"]
 POISON = 0xAB
@@ -106,7 +104,7 @@ class Cluster:
         return self
 
     def producer_ref(self):
-        return dict(engine_id="P", host="127.0.0.1", base_port=self.p_port, tp_size=self.p_tp)
+        return dict(engine_id="P", host="127.0.0.1", port=self.p_port, tp_size=self.p_tp)
 
     def expect(self, tid, attempt, blocks, num_tokens, first_token=0, ranks=None):
         for r, proc in enumerate(self.consumers):
@@ -471,7 +469,7 @@ def test_handshake_timeout_fails_the_request(cluster):
         dead_port = s.getsockname()[1]
     t0 = time.monotonic()
     cl.consumers[0].call("expect", tid="hs", attempt=0, blocks=[1], num_tokens=10,
-                         producer=dict(engine_id="P", host="127.0.0.1", base_port=dead_port, tp_size=1))
+                         producer=dict(engine_id="P", host="127.0.0.1", port=dead_port, tp_size=1))
     res = wait(cl.consumers[0], 1, seconds=15)[0]
     assert res["ok"] is False and "handshake" in res["reason"]
     assert time.monotonic() - t0 < 8

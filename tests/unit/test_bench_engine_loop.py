@@ -1,63 +1,18 @@
-"""The engine-loop benchmark keeps working: a tiny CPU sweep over real NIXL in every handoff mode."""
+"""The engine-loop benchmark's checks that need no transfer: argument refusals and the byte patterns of its
+slabs.  Its CPU sweeps over real NIXL are tests/nixl/test_bench_engine_loop_sweeps.py."""
 
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.nixl
-def test_cpu_sweep_serves_every_request_with_the_right_bytes(tmp_path):
-    out = tmp_path / "el.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench/engine_loop.py"), "--cpu", "--lengths", "256",
-                    "--rates", "4", "--block-sizes", "16", "--geometry", '{"num_layers": 2, "head_dim": 64}',
-                    "--pool-gib", "0.02", "--out-tokens", "4", "--point-seconds", "0.5", "--min-requests", "3",
-                    "--warmup", "1", "--cpu-time-scale", "0.3", "--verify", "all", "--out", str(out)],
-                   check=True, timeout=240, capture_output=True)
-    doc = json.loads(out.read_text())
-    points = [p for r in doc["results"] for p in r["points"]]
-    assert sorted(p["mode"] for p in points) == ["kvpush-pull", "push", "vllm-pull"]
-    for p in points:
-        assert p["n"] == 3 and p["failed"] == 0 and p["wrong_bytes"] == 0, p
-        assert p["ttft_ms_p50"] > 0 and p["handoff_ms_p50"] >= 0 and p["timelines"]
-        assert p["timelines"][0]["first_token"] >= p["timelines"][0]["prefill_done"]
-    assert next(p for p in points if p["mode"] == "push")["descs_p50"] == 4  # 2 layers x K/V, one run each
-    assert {"ttft_pull_over_push_16k_max_load", "tpot_push_over_pull_16k_max_load", "push_ttft_le_pull_everywhere",
-            "decode_hook_time_p99_us_push"} <= set(doc["summary"])
-
-
-@pytest.mark.nixl
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 2), (2, 1), (1, 2)])
-def test_cpu_sweep_with_several_ranks_per_engine(tmp_path, p_tp, d_tp):
-    """Prefill and decode engines of several ranks (a process each, heads split or gathered across
-    ranks): every request is served with every rank's bytes checked."""
-    out = tmp_path / "el.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench/engine_loop.py"), "--cpu", "--modes", "push",
-                    "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--lengths", "256", "--rates", "4",
-                    "--block-sizes", "16", "--geometry", '{"num_layers": 2, "head_dim": 64}', "--pool-gib", "0.02",
-                    "--out-tokens", "4", "--point-seconds", "0.5", "--min-requests", "3", "--warmup", "1",
-                    "--cpu-time-scale", "0.3", "--verify", "all", "--out", str(out)],
-                   check=True, timeout=240, capture_output=True)
-    doc = json.loads(out.read_text())
-    ranks = doc["meta"]["ranks"]
-    assert (ranks["p_tp"], ranks["d_tp"], ranks["total_kv_heads"]) == (p_tp, d_tp, max(p_tp, d_tp))
-    assert len(ranks["p_devices"]) == p_tp and len(ranks["d_devices"]) == d_tp
-    [point] = [p for r in doc["results"] for p in r["points"]]
-    assert point["n"] == 3 and point["failed"] == 0 and point["wrong_bytes"] == 0, point
-    # a producer rank moves its own heads: 2 layers x K/V x 64 dims x 2 bytes per head and token
-    assert point["kv_bytes"] == 256 * 2 * 2 * 64 * 2 * (max(p_tp, d_tp) // p_tp)
-    # a head slice of a wider block is one descriptor per block and region; whole blocks merge per region
-    assert point["descs_p50"] == (4 if p_tp == d_tp else 4 * 16)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_vllm_style_pull_refuses_several_ranks(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "scripts/bench/engine_loop.py"), "--cpu", "--modes",
+    run = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/engine_loop.py"), "--cpu", "--modes",
                           "push,vllm-pull", "--p-tp", "2", "--out", str(tmp_path / "x.json")],
                          timeout=60, capture_output=True, text=True)
     assert run.returncode != 0 and "vllm-pull" in run.stderr and not (tmp_path / "x.json").exists()
@@ -68,7 +23,7 @@ def test_slab_patterns_are_per_model_wide_head_in_the_layouts_own_byte_order():
     block holds pattern(seq, model-wide head), read back here through the independent layout reference."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("kvslab", ROOT / "scripts/bench/kvslab.py")
+    spec = importlib.util.spec_from_file_location("kvslab", ROOT / "scripts/bench/gpu/kvslab.py")
     kvslab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kvslab)
     KVSlab, count_wrong_heads, fill_heads, pattern = kvslab.KVSlab, kvslab.count_wrong_heads, kvslab.fill_heads, kvslab.pattern

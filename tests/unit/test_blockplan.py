@@ -116,7 +116,8 @@ def _apply_rows(buf_s, buf_d, plan):
 @given(data=st.data())
 def test_merged_runs_copy_the_same_bytes_as_per_block_plans(data):
     """plan_write's merged block runs move exactly what the per-block plan moves, in fewer descriptors."""
-    from kvpush_common.plan.blockplan import merge_runs, plan_write
+    from kvpush_common.plan.blockplan import merge_runs
+    from kvpush_common.plan.write import plan_write
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     total = data.draw(st.sampled_from([1, 2, 4]))

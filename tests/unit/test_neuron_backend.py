@@ -326,15 +326,3 @@ def test_cuda_layout_prefill_to_neuron_decode(src_tp, dst_tp):
     dst_all = np.concatenate([logical_view(b, d.layout(), d.slab_base, [6, 1, 3, 7], n)
                               for d, b in zip(dsts, bufs)], 2)
     assert np.array_equal(src_all, dst_all)  # every head of every token arrived, whatever the TP split
-
-
-# ---- the trn2 smoke check, run here on the simulated runtime (two processes, NIXL UCX) -------------
-
-@pytest.mark.nixl
-def test_hwcheck_pair_pushes_and_verifies_on_the_simulated_runtime():
-    from kvpush_neuron.hwcheck import run_pair
-
-    out = run_pair(sim=True)
-    assert out["producer"] == {"role": "producer", "outcome": "done", "reason": ""}
-    assert out["consumer"]["ok"] and out["consumer"]["mismatched_blocks"] == []
-    assert out["consumer"]["mem_type"] == "DRAM"

@@ -2,7 +2,8 @@
 action) is guarded, and what the step already decided is still acted on."""
 
 from kvpush_common.endpoint.config import EndpointConfig
-from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.endpoint.consumer import ConsumerEndpoint
+from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.endpoint.base import Peer
 from kvpush_common.device.host import HostBackend
 from kvpush_common.protocol.identity import TransferKey
@@ -39,7 +40,7 @@ def test_consumer_results_decided_before_an_exception_are_delivered():
     ep = ConsumerEndpoint(EndpointConfig(engine_id="D", handshake_timeout_s=0.2), backend())
     ep.transport = t = Flaky()
     ep._peers[("P", 0)] = Peer("P", 0, 1, "P/r0", ep.layout)
-    ref = ProducerRef("P", "127.0.0.1", 1, 1)
+    ref = ProducerIdentity(engine_id="P", host="127.0.0.1", port=1, tp_size=1)
     t.fail_send = True  # the first registration's send raises something unexpected
     ep.expect("a", 0, ref, [0], 4)
     ep.expect("b", 0, ref, [1], 4)

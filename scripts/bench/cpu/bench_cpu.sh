@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CPU benchmark: kvpush push vs vLLM NixlPushConnector vs NixlConnector on this machine (see bench_cpu.py).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 bash scripts/setup-venv.sh
-exec .venv/bin/python scripts/bench_cpu.py "$@"
+exec .venv/bin/python scripts/bench/cpu/bench_cpu.py "$@"

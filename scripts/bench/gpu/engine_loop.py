@@ -9,9 +9,9 @@ in this run, descriptors per transfer, and the decode engine thread's time insid
 per step.  Warm-up requests (sequential, fresh pools: consecutive blocks) are excluded from the
 points and give the contiguous NIXL WRITE time of each size.
 
-    python3 scripts/bench/engine_loop.py --out docs/benchmarks/h200.json          # two GPUs
-    python3 scripts/bench/engine_loop.py --cpu --lengths 256,512 --rates 2,4 ...  # CPU smoke run
-    python3 scripts/bench/engine_loop.py --p-tp 2 --d-tp 1 --modes push,kvpush-pull ...  # 3+ GPUs
+    python3 scripts/bench/gpu/engine_loop.py --out docs/benchmarks/h200.json          # two GPUs
+    python3 scripts/bench/gpu/engine_loop.py --cpu --lengths 256,512 --rates 2,4 ...  # CPU smoke run
+    python3 scripts/bench/gpu/engine_loop.py --p-tp 2 --d-tp 1 --modes push,kvpush-pull ...  # 3+ GPUs
 
 Several ranks per engine (--p-tp / --d-tp): a process per rank in lockstep (engines.py), one GPU
 each when there are enough, the model's KV heads split across each side's ranks (a producer rank
@@ -325,7 +325,7 @@ def summary(results: list[dict], raw: dict, args, wire_rows: list[dict] | None =
     hooks = [p["hook_us_p99"] for p in pts if p["mode"] == "push" and p["hook_us_p99"] is not None]
     if hooks:
         out["decode_hook_time_p99_us_push"] = round(max(hooks), 1)
-    if wire_rows:  # scripts/bench/nixl_wire.py, same machine: contiguous NIXL WRITE vs raw peer copy
+    if wire_rows:  # scripts/bench/gpu/nixl_wire.py, same machine: contiguous NIXL WRITE vs raw peer copy
         out["contiguous"] = wire_rows
         out["contiguous_efficiency_min"] = round(min(r["efficiency_wire"] for r in wire_rows
                                                      if r["tokens"] == longest), 3)
@@ -336,7 +336,7 @@ def summary(results: list[dict], raw: dict, args, wire_rows: list[dict] | None =
         "pull": "ratios use vLLM-style pull (vllm-pull) as the pull baseline; push vs kvpush-pull is in "
                 "push_ttft_gt_pull_points",
         "wire": "handoff_exposed_over_wire uses the raw torch peer copy of the same bytes (meta.raw_copy_ms)",
-        "contiguous": "scripts/bench/nixl_wire.py: two-process NIXL UCX WRITE of a request's consecutive blocks "
+        "contiguous": "scripts/bench/gpu/nixl_wire.py: two-process NIXL UCX WRITE of a request's consecutive blocks "
                       "(one descriptor per region), transfer() to DONE, vs raw peer copy"}
     return out
 

@@ -9,7 +9,7 @@ per row: handoff (producer KV ready -> consumer KV usable, from the endpoints' e
 peer copy of the same bytes; `summary.fragmented_over_contiguous_max` is the worst ratio, over block
 sizes and sizes, of the staged shuffled handoff to the direct consecutive handoff.
 
-    python3 scripts/bench/fragmentation.py --out h200-fragmentation.json
+    python3 scripts/bench/gpu/fragmentation.py --out h200-fragmentation.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 from kvslab import peer_copy_ms  # noqa: E402
 from kvpush_common.testing.procs import PeerProcess  # noqa: E402
 
@@ -48,7 +48,7 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
                       backend=dict(kind="cuda", num_blocks=nblocks, device=0, block_size=block, **GEO))["port"]
         d.call("start", role="consumer", cfg=dict(engine_id="D", total_kv_heads=1, **cfg),
                backend=dict(kind="cuda", num_blocks=nblocks, device=1 if two else 0, block_size=block, **GEO))
-        ref = dict(engine_id="P", host="127.0.0.1", base_port=port, tp_size=1)
+        ref = dict(engine_id="P", host="127.0.0.1", port=port, tp_size=1)
         rng = np.random.default_rng(block)
         n = 0
         for ntok in tokens:

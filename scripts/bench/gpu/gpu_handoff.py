@@ -6,12 +6,12 @@ block 16, direct WRITEs, the endpoints' default 1 ms poll.  For each request siz
 consecutive or shuffled on both sides, the consumer registers first and the producer then reports
 the KV ready; from the endpoints' event logs:
   handoff  = producer kv_ready -> consumer KV usable (what the request waits for after prefill)
-  post     = kv_ready -> WRITE posted (planning + posting, on the writer thread)
+  post     = kv_ready -> WRITE posted (planning + posting, on the worker thread)
   wire     = WRITE posted -> WRITE done
 next to a raw torch copy of the same bytes in one piece (the floor).  The run loop is
 fragmentation.py's (which adds block sizes and staged transfers).
 
-    python3 scripts/bench/gpu_handoff.py --out runs/gpu-handoff.json
+    python3 scripts/bench/gpu/gpu_handoff.py --out runs/gpu-handoff.json
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Here (CPU machine, registry access): pack everything the real-vLLM GPU benchmark needs on the GPU machine
 # (no registry there) into .carry-gpu/part.00 .. part.02, each small enough for one device call (64 MiB
-# with the working tree): the CUDA vLLM 0.26.0 bundle (../shared/tools/vllm-cuda-bundle.sh), the NIXL
-# wheels (../shared/tools/device-wheels.sh) and the router's pure-Python wheels (aiohttp, prometheus_client).
+# with the working tree): the CUDA vLLM 0.26.0 bundle (vllm_cuda_bundle.sh), the NIXL
+# wheels (fetch_wheels.sh) and the router's pure-Python wheels (aiohttp, prometheus_client).
 # Then, on the GPU machine, in quick successive calls (the machine is given back ~30 s after a call):
 #   run(command="mkdir -p /tmp/g && cp .carry-gpu/part.00 /tmp/g/", carry=[".carry-gpu/part.00"])
 #   run(command="cp .carry-gpu/part.01 /tmp/g/", carry=[".carry-gpu/part.01"])
-#   run(command="cp .carry-gpu/part.02 /tmp/g/ && . scripts/bench/gpu_vllm_env.sh && python3 scripts/bench/vllm_gpu.py ...",
+#   run(command="cp .carry-gpu/part.02 /tmp/g/ && . scripts/bench/gpu/gpu_vllm_env.sh && python3 scripts/bench/gpu/vllm_gpu.py ...",
 #       carry=[".carry-gpu/part.02"])
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
 for d in .carry-gpu .carry-vllm .whl; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
-[ -f .carry-vllm/unpack.sh ] || bash ../shared/tools/vllm-cuda-bundle.sh
-ls .whl/nixl_cu13-*.whl >/dev/null 2>&1 || bash ../shared/tools/device-wheels.sh
+[ -f .carry-vllm/unpack.sh ] || bash scripts/bench/gpu/vllm_cuda_bundle.sh
+ls .whl/nixl_cu13-*.whl >/dev/null 2>&1 || bash scripts/bench/gpu/fetch_wheels.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/pack/vllm" "$work/pack/nixl" "$work/pack/extra"

@@ -1,4 +1,4 @@
-# Source on the GPU machine after the parts of scripts/bench/gpu_vllm_carry.sh are in /tmp/g: unpacks CUDA
+# Source on the GPU machine after the parts of scripts/bench/gpu/gpu_vllm_carry.sh are in /tmp/g: unpacks CUDA
 # vLLM 0.26.0 into /tmp/site (once per machine), installs NIXL there and the router's wheels into
 # /tmp/site-extra (after the machine's own packages on sys.path), copies kvpush to /tmp/kvpush (servers
 # started with setsid outlive the call's working tree), and exports the environment to run them.

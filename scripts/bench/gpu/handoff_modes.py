@@ -20,7 +20,8 @@ import numpy as np
 
 from kvpush_common.plan.blockplan import unit_table
 from kvpush_common.endpoint.config import EndpointConfig
-from kvpush_common.endpoint.consumer import ConsumerEndpoint, ProducerRef
+from kvpush_common.endpoint.consumer import ConsumerEndpoint
+from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.endpoint.producer import ProducerEndpoint
 from kvpush_common.transport.nixl import NixlTransport, TransportConfig
 
@@ -61,7 +62,7 @@ class KvpushDecode:
                  ranks: dict | None = None):
         p_tp = prefill_hello.get("tp", 1)
         self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s, staging_mib, ranks, p_tp), slab.backend).start()
-        self.ref = ProducerRef("P", prefill_hello["host"], prefill_hello["port"], p_tp)
+        self.ref = ProducerIdentity(engine_id="P", host=prefill_hello["host"], port=prefill_hello["port"], tp_size=p_tp)
 
     def start(self, tid: str, blocks: list[int], tokens: int, remote_blocks=None) -> None:
         self.ep.expect(tid, 0, self.ref, blocks, tokens)

@@ -6,7 +6,7 @@ cuda_ipc), a request's consecutive blocks on both sides merged into one descript
 kvpush posts), WRITE timed from before `initialize_xfer` to DONE (`total`) and from `transfer()` to
 DONE (`wire`), against `torch` copying the same bytes GPU 0 -> GPU 1 in one piece.
 
-    python3 scripts/bench/nixl_wire.py --out nixl-wire.json
+    python3 scripts/bench/gpu/nixl_wire.py --out nixl-wire.json
 """
 
 from __future__ import annotations

