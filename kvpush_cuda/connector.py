@@ -29,7 +29,7 @@ class KVPushCudaConnector(KVPushConnector):
 
         from kvpush_common.protocol.layout import LayoutError
 
-        from .backend import CudaKVCache
+        from .kv_cache import CudaKVCache
 
         first = next(iter(kv_caches.values()), None)
         if isinstance(first, torch.Tensor) and not first.is_cuda:

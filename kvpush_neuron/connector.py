@@ -23,7 +23,7 @@ from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.vllm.connector import KVPushConnector
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata
 
-from .backend import BlockIdError
+from .kv_cache import BlockIdError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class KVPushNeuronConnector(KVPushConnector):
         return neuron_transport(extra, os.environ, same_host=bool(extra.get("same_host", True)))
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
-        from .backend import NeuronKVCache
+        from .kv_cache import NeuronKVCache
 
         runtime = self.runtime_factory()
         adopt = getattr(runtime, "adopt", None)

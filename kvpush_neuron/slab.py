@@ -7,7 +7,7 @@ import numpy as np
 
 from kvpush_common.protocol.layout import contiguous_layout, slab_bytes
 
-from .backend import DEFAULT_BLOCK_SIZE, NeuronKVCache
+from .kv_cache import DEFAULT_BLOCK_SIZE, NeuronKVCache
 from .runtime import NeuronRuntime, SimulatedNeuronRuntime
 
 

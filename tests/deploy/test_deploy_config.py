@@ -27,8 +27,8 @@ def test_targets_come_from_entry_points_not_imports():
     targets, broken = deploy.load_targets()
     assert broken == {}
     assert set(targets) >= {"neuron", "cuda"}
-    assert type(targets["neuron"]).__module__ == "kvpush_neuron.deploy_config"
-    assert type(targets["cuda"]).__module__ == "kvpush_cuda.deploy_config"
+    assert type(targets["neuron"]).__module__ == "kvpush_neuron.target"
+    assert type(targets["cuda"]).__module__ == "kvpush_cuda.target"
 
 
 def test_neuron_prefill_plan(capsys):

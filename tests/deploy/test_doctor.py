@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvpush_common.ops import cli, deploy
-from kvpush_cuda.deploy_config import cuda_checks
-from kvpush_neuron.deploy_config import neuron_checks
+from kvpush_cuda.target import cuda_checks
+from kvpush_neuron.target import neuron_checks
 
 HERE_HAS_NEURON = any(Path("/dev").glob("neuron*"))
 HERE_HAS_EFA = bool(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"))
@@ -114,7 +114,7 @@ def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):
 
 
 def test_neuron_placeholder_wheel_is_named(monkeypatch):
-    from kvpush_neuron import deploy_config
+    from kvpush_neuron import target as deploy_config
 
     monkeypatch.setattr(deploy.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(deploy, "dist_version", lambda *names: (names[0], "1.0"))
@@ -151,7 +151,7 @@ def test_nixl_plugins_are_test_loaded():
 
 
 def test_a_target_that_does_not_import_is_reported(monkeypatch, capsys):
-    monkeypatch.setattr(deploy, "load_targets", lambda: ({}, {"neuron": "kvpush_neuron.deploy_config:TARGET: "
+    monkeypatch.setattr(deploy, "load_targets", lambda: ({}, {"neuron": "kvpush_neuron.target:TARGET: "
                                                                         "ImportError: boom"}))
     assert cli.main(["doctor", "--target", "neuron"]) == 1
     out = capsys.readouterr().out

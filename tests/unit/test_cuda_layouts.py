@@ -13,7 +13,7 @@ from kvpush_common.protocol.layout import LayoutError, check_pairable, contiguou
 from kvpush_common.plan.planner import PlanError, plan_transfer
 from kvpush_common.plan.blockplan import block_granular, plan_blocks
 from kvpush_common.protocol.topology import HeadRoute, routes
-from kvpush_cuda.backend import describe_cuda_caches
+from kvpush_cuda.kv_cache import describe_cuda_caches
 from kvpush_cuda.device import sliced_registrations
 from kvpush_common.testing.kvref import apply_plan
 

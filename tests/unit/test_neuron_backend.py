@@ -15,7 +15,7 @@ from kvpush_common.testing.kvref import apply_plan, expected_after_copy, logical
 from kvpush_common.protocol.layout import LayoutError, contiguous_layout
 from kvpush_common.plan.planner import plan_transfer
 from kvpush_common.protocol.topology import HeadRoute, routes
-from kvpush_neuron.backend import BlockIdError, NeuronKVCache, describe_neuron_caches, strip_block_sentinels
+from kvpush_neuron.kv_cache import BlockIdError, NeuronKVCache, describe_neuron_caches, strip_block_sentinels
 from kvpush_neuron.efa import (EfaPreflightError, neuron_efa_preflight, neuron_transport, rank_rails,
                                cores_per_chip, efa_devices)
 from kvpush_neuron.runtime import (NeuronRuntimeError, NeuronUnavailableError, RealNeuronRuntime,
@@ -270,7 +270,7 @@ def test_no_efa_or_other_backends_fail_at_start_up(tmp_path):
 def cuda_fa_nhd(num_layers, num_heads, num_blocks, block_size=16):
     """vLLM's FlashAttention caches (2, blocks, block_size, heads, head_size) as kvpush_cuda reads them,
     on CPU tensors sharing one buffer."""
-    from kvpush_cuda.backend import describe_cuda_caches
+    from kvpush_cuda.kv_cache import describe_cuda_caches
 
     buf = torch.zeros(num_layers * 2 * num_blocks * block_size * num_heads * D * 2, dtype=torch.uint8)
     t = buf.view(torch.bfloat16).view(num_layers, 2, num_blocks, block_size, num_heads, D)

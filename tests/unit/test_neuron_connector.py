@@ -8,7 +8,7 @@ import pytest
 
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
 from kvpush_common.protocol.legs import ProducerIdentity
-from kvpush_neuron.backend import NeuronKVCache
+from kvpush_neuron.kv_cache import NeuronKVCache
 from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
 from kvpush_neuron.runtime import SimulatedNeuronRuntime
 from kvpush_neuron.slab import plugin_kv_caches, ready_sim_runtime

@@ -94,7 +94,7 @@ def test_tensor_staging_round_trips_vllm_caches(kind):
         b._staging.buffer.copy_(a._staging.buffer)
         b.scatter(db, da)
     else:
-        from kvpush_cuda.backend import describe_cuda_caches
+        from kvpush_cuda.kv_cache import describe_cuda_caches
 
         shape = (10, 2, 4, 2, 8) if kind == "flash-infer" else (2, 10, 4, 2, 8)
         src, dst = _torch_caches(shape, 1), _torch_caches(shape, 0, zero=True)

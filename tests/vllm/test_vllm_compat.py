@@ -127,7 +127,7 @@ def test_neuron_guard_refusal_reaches_vllm_on_either_release(version, want):
     """The Neuron plugin's vLLM (0.24) has no failed_recving: a receive that the Neuron block-id guard
     refuses (a sentinel before a real block) must still fail the request, through its real blocks: never
     the null block 0, which other requests share (vLLM would fail them too and evict it)."""
-    from kvpush_neuron.backend import strip_block_sentinels
+    from kvpush_neuron.kv_cache import strip_block_sentinels
     from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
 
     class FakeWorker:
