@@ -48,12 +48,14 @@ def test_notifications_dropped_duplicated_delayed_reordered(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_failed_posts_and_transfers_ending_in_err(seed):
-    with Chaos(seed, p_faults=dict(seed=seed, fail_post=0.25, err_xfer=0.25)) as ch:
+    """Posts that fail and WRITEs that end in ERR fail their requests (every request still ends, no byte
+    lands wrong: ch.check); with 40 % + 40 % faults over 10 requests, all ten succeeding has p < 1e-4."""
+    with Chaos(seed, p_faults=dict(seed=seed, fail_post=0.4, err_xfer=0.4)) as ch:
         for i in range(10):
             ch.pair(ch.new_request())
             ch.collect()
         summary = ch.check()
-        assert summary["failed"] >= 1 or summary["ok"] == summary["requests"]
+        assert summary["failed"] >= 1 and summary["ok"] + summary["failed"] == summary["requests"], summary
         record("failed_posts", seed, summary)
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvpush_common.plan.blockplan import block_granular, plan_blocks, unit_table
 from kvpush_common.protocol.layout import contiguous_layout, slab_bytes
-from kvpush_common.plan.planner import PlanError
+from kvpush_common.plan.planner import PlanError, TransferPlan, plan_transfer
 from kvpush_common.protocol.topology import routes
 from kvpush_common.testing.kvref import logical_view
 
@@ -144,7 +144,10 @@ def test_merged_runs_copy_the_same_bytes_as_per_block_plans(data):
         sblk, dblk = rng.permutation(nblk)[:k_s], rng.permutation(nblk)[:k_d]
     buf_s[:] = rng.integers(0, 256, buf_s.size, dtype=np.uint8)
     buf_d[:] = 0xAB
-    if not block_granular(ls, ld, route):
+    if not block_granular(ls, ld, route):  # whole blocks do not line up: the entry point is the general planner
+        plan = plan_write(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first, prepped=True)
+        ref = plan_transfer(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first)
+        assert isinstance(plan, TransferPlan) and np.array_equal(plan.src, ref.src) and np.array_equal(plan.dst, ref.dst)
         return
     bp = plan_blocks(ls, ld, route, sblk, dblk, num_tokens=n, dst_first_token=first)
     _copy(buf_s, ls, buf_d, ld, route, bp)

@@ -47,7 +47,20 @@ def test_the_documented_start_up_passes_every_check():
     assert backend.layout().mem_type == rt.mem_type == "DRAM"  # simulation: NIXL UCX moves host memory
     assert RealNeuronRuntime.mem_type == "VRAM"
     assert backend.registration_regions().shape == (2 * L, 3)
-    assert backend.kv_written(backend.mark_kv_written())
+
+
+def test_the_kv_fence_is_the_runtimes():
+    """The backend's fence is the runtime's: a WRITE waits for whatever the runtime says is still running
+    (both runtimes today report the plugin's KV complete at kv_ready; see the design doc)."""
+    rt = started()
+    backend = NeuronKVCache(caches(rt), 0, runtime=rt, block_size=BS, num_heads=H, head_size=D)
+    pending = {"done": False}
+    rt.fence = lambda: pending
+    rt.fence_done = lambda token: token["done"]
+    token = backend.mark_kv_written()
+    assert token is pending and not backend.kv_written(token)
+    pending["done"] = True
+    assert backend.kv_written(token)
 
 
 def test_hbm_not_mapped_gives_address_zero_and_is_refused():
