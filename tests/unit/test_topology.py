@@ -113,15 +113,20 @@ def test_routes_are_merged(k, src_tp, dst_tp):
         assert len([r for r in rs if r.dst_rank == d]) == expect
 
 
-@pytest.mark.parametrize("k,src_tp,dst_tp", [c for c in CASES if c[1] > c[0]])  # producers replicate heads
-def test_replica_choice_spreads_load(k, src_tp, dst_tp):
+@pytest.mark.parametrize("k,src_tp,dst_tp", CASES)
+def test_routes_read_a_holder_of_their_heads_and_spread_replicas(k, src_tp, dst_tp):
+    """Each route reads its first head from a producer rank that holds it: the only one when producers split
+    the heads, replica `dst_rank % replicas` when they replicate them (so decode ranks spread the load)."""
     rs = routes(k, src_tp, dst_tp)
-    rep = src_tp // k
     for r in rs:
         d_first, _ = local_heads(k, dst_tp, r.dst_rank)
         g = d_first + r.dst_head_start
-        holders = [s for s in range(src_tp) if local_heads(k, src_tp, s)[0] == g]
-        assert r.src_rank == holders[r.dst_rank % rep]
+        holders = [s for s in range(src_tp)
+                   if local_heads(k, src_tp, s)[0] <= g < sum(local_heads(k, src_tp, s))]
+        if src_tp <= k:
+            assert holders == [r.src_rank]
+        else:
+            assert r.src_rank == holders[r.dst_rank % (src_tp // k)]
 
 
 @pytest.mark.parametrize("k,src_tp,dst_tp", CASES)
