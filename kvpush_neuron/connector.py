@@ -40,7 +40,7 @@ class BlockIdGuard:
         self._finished: OrderedDict[str, None] = OrderedDict()
 
     def filter(self, meta: KVPushMetadata) -> KVPushMetadata:
-        out = KVPushMetadata(aborts=list(meta.aborts))
+        out = KVPushMetadata(aborts=list(meta.aborts), declines=list(meta.declines))
         for op in meta.recvs:
             try:
                 out.recvs.append(dataclasses.replace(op, block_ids=tuple(self._strip(op.block_ids))))
@@ -116,6 +116,10 @@ class KVPushNeuronConnector(KVPushConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPushMetadata)
+        self._start_step(meta)
+
+    def _start_step(self, meta: KVPushMetadata) -> None:
+        """The step's block tables, sentinels stripped, to the core (only enqueues)."""
         if getattr(self, "_guard", None) is not None:
             meta = self._guard.filter(meta)
         self._worker.start_load_kv(meta)

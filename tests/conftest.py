@@ -32,7 +32,7 @@ def _has_neuron() -> bool:
 # tests/chaos `chaos` (a chaos test that also runs real NIXL or vLLM carries that mark itself, as do the
 # hardware tests in tests/hw).  tests/unit and tests/deploy get no kind mark.
 HERE = Path(__file__).resolve().parent
-FOLDER_MARKS = {HERE / "nixl": "nixl", HERE / "vllm": "vllm", HERE / "chaos": "chaos"}
+FOLDER_MARKS = {HERE / "nixl": "nixl", HERE / "vllm": "vllm", HERE / "chaos": "chaos", HERE / "libfabric": "libfabric"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks

@@ -19,7 +19,7 @@ from typing import Callable
 from kvpush_common.endpoint.config import EndpointConfig
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.endpoint.events import EventLog
-from kvpush_common.protocol.layout import KVLayout, LayoutError
+from kvpush_common.protocol.layout import KVLayout, LayoutError, geometry_difference
 from kvpush_common.endpoint.metrics import EndpointStats
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.transport.nixl import NixlTransport, Transport, TransportError
@@ -189,7 +189,10 @@ class Endpoint:
         if hello.mode != self.cfg.mode:
             return f"transfer mode mismatch: peer is {hello.mode}, this side is {self.cfg.mode}"
         if hello.compat_hash != self.compat:
-            return "compatibility hash mismatch (protocol version, mode, model or KV geometry differ)"
+            differ = geometry_difference(hello.layout, self.layout)
+            if differ:  # e.g. vLLM's CPU cache (K|V rows in one region) against the Neuron plugin's planes
+                return f"compatibility hash mismatch: KV geometry differs (peer vs here: {differ})"
+            return "compatibility hash mismatch (protocol version or model differ)"
         if hello.total_kv_heads != self.cfg.total_kv_heads:
             return f"total KV heads differ: {hello.total_kv_heads} vs {self.cfg.total_kv_heads}"
         try:

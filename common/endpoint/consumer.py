@@ -21,7 +21,7 @@ import numpy as np
 from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, request_hello
-from kvpush_common.endpoint.inbox import Expect, HandshakeDone, HandshakeFailed, LocalAbort
+from kvpush_common.endpoint.inbox import Decline, Expect, HandshakeDone, HandshakeFailed, LocalAbort
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.plan.write import plan_write
@@ -30,7 +30,7 @@ from kvpush_common.plan.staging import unit_bytes
 from kvpush_common.protocol.topology import producers_for, routes
 from kvpush_common.transport.nixl import TransportError
 from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant, ReadResult,
-                   Register, Revoke, RevokeAck, SlotFree, Staging, WriteDone, WriteFailed)
+                   Register, Revoke, RevokeAck, SlotFree, Staging, Unneeded, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ConsumerEndpoint(Endpoint):
                                      fence_wait_s=self.cfg.fence_wait_s, tombstone_s=self.cfg.tombstone_s)
         self._pool = ThreadPoolExecutor(max_workers=self.cfg.handshake_workers,
                                         thread_name_prefix=f"kvpush-hs-{self.cfg.rank}")
-        self._connecting: dict[tuple[str, int], list[Expect]] = {}  # producer rank -> waiting requests
+        self._connecting: dict[tuple[str, int], list[Expect | Decline]] = {}  # producer rank -> waiting requests
         self._next_heartbeat = 0.0
         self._expected_at: dict[TransferKey, float] = {}
         self._expects: dict[TransferKey, Expect] = {}  # pull mode needs the blocks when the grant comes
@@ -75,6 +75,11 @@ class ConsumerEndpoint(Endpoint):
         """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
         self._enqueue(Expect(TransferKey(transfer_id, attempt), producer, tuple(map(int, block_ids)),
                              int(num_tokens), int(first_token)))
+
+    def decline(self, transfer_id: str, attempt: int, producer: ProducerIdentity, reason: str = "") -> None:
+        """This attempt needs no bytes (nothing was registered for it): its producer ranks release the KV once
+        ready instead of holding it to the lease end.  Best effort: nothing comes back to the engine."""
+        self._enqueue(Decline(TransferKey(transfer_id, attempt), producer, reason))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         """Give up; the blocks come back through take_finished once no WRITE can land in them."""
@@ -113,6 +118,8 @@ class ConsumerEndpoint(Endpoint):
             return self._on_expect(item, now)
         if isinstance(item, LocalAbort):
             return self.completion.abort(item.key, item.reason, now)
+        if isinstance(item, Decline):
+            return self._on_decline(item)
         if isinstance(item, HandshakeDone):
             return self._on_peer_ok(item.producer, item.hello, now, item.addr)
         if isinstance(item, HandshakeFailed):
@@ -189,7 +196,8 @@ class ConsumerEndpoint(Endpoint):
                     if len(done) == msg.chunks:  # every chunk index of this producer rank scattered
                         del self._chunks[(key, prod)]
                         out = self.completion.on_done(key, prod, now)
-        self._send(peer, SlotFree(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, slot=msg.slot))
+        self._send(peer, SlotFree(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, slot=msg.slot,
+                                  use=msg.use))
         return out
 
     def _act(self, out: list) -> None:
@@ -246,7 +254,27 @@ class ConsumerEndpoint(Endpoint):
                 self._connect(e, prod)
         return out
 
-    def _connect(self, e: Expect, prod: tuple[str, int]) -> None:
+    def _on_decline(self, d: Decline) -> list:
+        try:
+            ranks = producers_for(self.cfg.total_kv_heads, d.producer.tp_size, self.cfg.tp_size, self.cfg.rank)
+        except ValueError as err:
+            log.warning("not declining %s: cannot route from producer TP %d: %s", d.key, d.producer.tp_size, err)
+            return []
+        self.event("declined", d.key, reason=d.reason[:200])
+        self.stats.declined.inc()
+        for prod in sorted((d.producer.engine_id, r) for r in ranks):
+            if prod in self._peers and prod not in self._suspect and prod not in self._connecting:
+                self._send_unneeded(d, self._peers[prod])
+            else:
+                self._connect(d, prod)
+        return []
+
+    def _send_unneeded(self, d: Decline, peer: Peer) -> None:
+        self._send(peer, Unneeded(transfer_id=d.key.transfer_id, attempt=d.key.attempt,
+                                  consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank,
+                                  reason=d.reason[:500]))
+
+    def _connect(self, e: Expect | Decline, prod: tuple[str, int]) -> None:
         """Queue `e` behind a (new) handshake with producer rank `prod`; one handshake per rank at a time."""
         waiting = self._connecting.setdefault(prod, [])
         if not waiting:
@@ -299,7 +327,9 @@ class ConsumerEndpoint(Endpoint):
         if addr is not None:
             self._addr[prod] = addr
         for e in self._connecting.pop(prod, []):
-            if self.completion.wants_registration(e.key):
+            if isinstance(e, Decline):
+                self._send_unneeded(e, peer)
+            elif self.completion.wants_registration(e.key):
                 out += self._register(e, peer, now)
         return out
 
@@ -307,7 +337,8 @@ class ConsumerEndpoint(Endpoint):
         log.warning("handshake with producer %s rank %d failed: %s", prod[0], prod[1], reason)
         out: list = []
         for e in self._connecting.pop(prod, []):
-            out += self.completion.on_failed(e.key, prod, f"handshake failed: {reason}", now)
+            if isinstance(e, Expect):  # a Decline is best effort: the producer's lease frees that KV
+                out += self.completion.on_failed(e.key, prod, f"handshake failed: {reason}", now)
         return out
 
     def _register(self, e: Expect, peer: Peer, now: float, retry: bool = False) -> list:

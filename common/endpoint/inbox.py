@@ -19,6 +19,7 @@ class KVReady:
 
     key: TransferKey
     ready: ReadyKV
+    consumer_tp: int | None = None  # known: a rank that no consumer rank reads from releases at once
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,16 @@ class Expect:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+
+
+@dataclass(frozen=True)
+class Decline:
+    """Consumer, engine thread: this attempt needs no bytes (the engine computes the prompt's short tail
+    itself); tell its producer ranks so that they release the KV once ready."""
+
+    key: TransferKey
+    producer: ProducerIdentity
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ class EndpointStats:
         self.writes_prepped = counter("writes_prepped", "WRITEs posted from per-peer prepped block lists")
         self.writes_staged = counter("writes_staged", "pushes sent as staged chunks (gather, WRITE, scatter)")
         self.staging_exhausted = counter("staging_exhausted", "pushes sent direct because no staging slot was free")
+        self.slots_reclaimed = counter("staging_slots_reclaimed",
+                                       "staging slots taken back because their SlotFree never came (lost notification)")
         self.writes_done = counter("writes_done", "WRITEs that completed")
         self.writes_failed = counter("writes_failed", "WRITEs refused, failed or timed out", ("code",))
         self.bytes_written = counter("bytes_written", "payload bytes moved by completed WRITEs")
@@ -29,7 +31,10 @@ class EndpointStats:
         self.stale_batches = counter("stalled_steps", "worker steps after a stall longer than fence_grace_s")
         self.received_ok = counter("requests_received", "consumer requests whose KV became usable")
         self.received_failed = counter("requests_failed", "consumer requests that ended without usable KV")
-        self.released = counter("requests_released", "producer requests whose blocks were released", ("outcome",))
+        self.released = counter("requests_released", "producer requests whose blocks were released (outcome "
+                                "`unneeded`: the decode computed the tail itself)", ("outcome",))
+        self.declined = counter("requests_declined", "consumer requests that needed no bytes: the engine computes the "
+                                "short uncached tail itself and the producer was told")
         self.post_seconds = Histogram("kvpush_post_seconds", "time to plan and post one WRITE", list(labels),
                                       registry=self.registry).labels(**labels)
         self.handoff_seconds = Histogram("kvpush_handoff_seconds", "producer: KV ready to every WRITE done",

@@ -23,12 +23,12 @@ from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort
 from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, StagedPush, Transfer
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.plan.planner import PlanError, plan_transfer
-from kvpush_common.plan.staging import SlotPool, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
+from kvpush_common.plan.staging import LentSlots, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
 from kvpush_common.state.rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
 from kvpush_common.protocol.topology import routes_from
 from kvpush_common.transport.nixl import TransportError
 from kvpush_common.protocol.wire import (ChunkWritten, Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
-                   WriteDone, WriteFailed)
+                   Unneeded, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +47,23 @@ class ProducerEndpoint(Endpoint):
         self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
         self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
         self._ready_at: dict[TransferKey, float] = {}
-        self._peer_slots: dict[Dest, SlotPool] = {}  # staging slots each consumer rank lent us
+        self._peer_slots: dict[Dest, LentSlots] = {}  # staging slots each consumer rank lent us
         self._reg_from: dict[tuple[TransferKey, Dest], str] = {}  # registration -> incarnation that sent it
         self._last_fetch: float | None = None
         self._next_prune = 0.0
 
     # ---- engine-facing ---------------------------------------------------------------------------
-    def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int) -> None:
-        """The step that computed this request's KV was issued; its blocks stay ours until released."""
-        fence = self.backend.mark_kv_written()
+    def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int, written: bool = False,
+                 consumer_tp: int | None = None) -> None:
+        """The step that computed this request's KV was issued; its blocks stay ours until released.
+
+        `written`: the caller knows the device already finished writing this KV, so no fence is recorded
+        (a fence recorded now would also wait for whatever the engine queued after that step).
+        `consumer_tp`: the decode instance's TP size, when known; if no rank of it reads from this rank
+        (head replication), the KV is released at once."""
+        fence = None if written else self.backend.mark_kv_written()
         ready = ReadyKV(tuple(map(int, block_ids)), int(num_tokens), fence)
-        self._enqueue(KVReady(TransferKey(transfer_id, attempt), ready))
+        self._enqueue(KVReady(TransferKey(transfer_id, attempt), ready, consumer_tp))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
@@ -105,36 +111,42 @@ class ProducerEndpoint(Endpoint):
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (Register, Revoke, Heartbeat, ReadResult, SlotFree)):
+        if isinstance(msg, (Register, Revoke, Unneeded, Heartbeat, ReadResult, SlotFree)):
             return (msg.consumer_engine, msg.consumer_rank)
         return None
 
     def _step(self) -> bool:
         # Notifications are fetched before the inbox is drained: a consumer sends its first
         # registration only after our handshake reply, and its peer entry was queued before that.
+        fetch_start = self.clock()
         notifs = self.transport.get_notifs()
         now = self.clock()
-        # A step that follows a stall (the process was paused, or starved) longer than fence_grace_s may
-        # fetch control messages of any age.  A consumer may already have given up on them and reused its
-        # blocks, so this batch renews nothing and starts nothing (design section 8, assumption a).
-        gap = now - self._last_fetch if self._last_fetch is not None else 0.0
-        self._last_fetch = now
-        stalled = gap > self.cfg.fence_grace_s
-        if stalled:
+        # What this fetch returns was not there when the previous fetch started (control messages are not
+        # in transit longer than fence_grace_s, design section 8, assumption a): registrations and heartbeats
+        # count from then.  After a stall (the process was paused or starved, or a transport call blocked)
+        # a consumer may already have given up on them: they count from before the stall and have expired.
+        arrived_after = self._last_fetch if self._last_fetch is not None else fetch_start
+        self._last_fetch = fetch_start
+        if now - arrived_after > self.cfg.fence_grace_s:
             self.stats.stale_batches.inc()
-            log.warning("producer worker stalled %.1f s: refusing the registrations and heartbeats it fetched", gap)
+            log.warning("producer worker stalled %.1f s: what it fetched counts from before the stall",
+                        now - arrived_after)
         actions = []
         try:  # each unit is guarded, and whatever was decided is always acted on (no lost results)
             for item in self._drain_inbox():
                 actions += self._guard(self._on_item, item, now)
             for peer, msg in self._receive(notifs):
-                actions += self._guard(self._on_msg, peer, msg, now, stalled)
+                actions += self._guard(self._on_msg, peer, msg, now, arrived_after)
             actions += self._guard(self.rendezvous.tick, now)
         finally:
             self._run(actions, now)
         self._poll_inflight()
         if now >= self._next_prune:  # forget the sender of registrations whose entry has ended
             self._next_prune = now + 1.0
+            for dest, slots in self._peer_slots.items():  # slots whose SlotFree was lost come back
+                if n := slots.reclaim(now):
+                    self.stats.slots_reclaimed.inc(n)
+                    log.warning("took back %d staging slots of %s whose SlotFree never came", n, dest)
             self._reg_from = {k: v for k, v in self._reg_from.items() if self.rendezvous.entry_state(k[0]) is not None}
         self._evict_idle(now, {i.dest for i in self._inflight})
         return bool(self._inflight) or self.rendezvous.has_unmatched()
@@ -147,25 +159,30 @@ class ProducerEndpoint(Endpoint):
                 log.warning("could not add consumer %s: %s", item.hello.agent_name, e)
         elif isinstance(item, KVReady):
             self.event("kv_ready", item.key)
+            if item.consumer_tp is not None and not self._routes(item.consumer_tp):
+                return self.rendezvous.on_unread(item.key, item.ready, now,
+                                                 f"no rank of a TP-{item.consumer_tp} consumer reads from "
+                                                 f"producer rank {self.cfg.rank}")
             self._ready_at[item.key] = now
             return self.rendezvous.on_ready(item.key, item.ready, now)
         elif isinstance(item, LocalAbort):
             return self.rendezvous.on_local_abort(item.key, item.reason, now)
         return []
 
-    def _on_msg(self, peer: Peer, msg, now: float, stalled: bool) -> list:
+    def _on_msg(self, peer: Peer, msg, now: float, arrived_after: float) -> list:
         key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, (Heartbeat, SlotFree)) else None
         dest = (peer.engine_id, peer.rank)
         if isinstance(msg, Register):
             if msg.consumer_tp != peer.tp_size:
                 return [SendFailed(key, dest, "bad_registration", "consumer_tp differs from the handshake")]
-            if stalled:
-                return [SendFailed(key, dest, "expired", "producer stalled; registration of unknown age")]
             self.event("registration", key, consumer_rank=peer.rank)
             self._reg_from.setdefault((key, dest), peer.incarnation)
-            return self.rendezvous.on_register(msg, now)
+            return self.rendezvous.on_register(msg, now, arrived_after)
         if isinstance(msg, Revoke):
             return self.rendezvous.on_revoke(key, dest, now)
+        if isinstance(msg, Unneeded):
+            self.event("unneeded", key, consumer_rank=dest[1])
+            return self.rendezvous.on_unneeded(key, dest, msg.reason, now)
         if isinstance(msg, ReadResult):
             return self._on_read_result(key, dest, msg, now)
         if isinstance(msg, SlotFree):
@@ -173,14 +190,14 @@ class ProducerEndpoint(Endpoint):
             try:
                 if slots is None:
                     raise ValueError("no staging slots lent by this consumer rank")
-                slots.give(msg.slot)
+                slots.give(msg.slot, msg.use or None)
             except ValueError as e:
                 self.stats.rejected_msgs.labels(reason="bad_slot").inc()
                 log.warning("ignored SlotFree from %s: %s", peer.agent, e)
             return []
-        if isinstance(msg, Heartbeat) and not stalled:
+        if isinstance(msg, Heartbeat):
             self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
-                                         peer.engine_id)
+                                         peer.engine_id, arrived_after)
         return []
 
     def _run(self, actions, now: float) -> None:
@@ -327,7 +344,7 @@ class ProducerEndpoint(Endpoint):
         dest = (peer.engine_id, peer.rank)
         self._peer_slots.pop(dest, None)  # a restarted consumer lends new slots (in-flight chunks keep theirs)
         if self.staging is not None and peer.staging is not None and peer.staging.nbytes >= peer.staging.chunk_bytes:
-            self._peer_slots[dest] = SlotPool(peer.staging.addr, peer.staging.nbytes, peer.staging.chunk_bytes,
+            self._peer_slots[dest] = LentSlots(peer.staging.addr, peer.staging.nbytes, peer.staging.chunk_bytes,
                                               peer.staging.device_id)
         old = self._remote_prepped.pop(dest, None)
         if old is not None:  # the consumer rank restarted: its memory and agent are new
@@ -381,6 +398,7 @@ class ProducerEndpoint(Endpoint):
             self.staging.give(local)
             if state == "DONE":
                 st.done_chunks += 1
+                pool.landed(remote, now, self.cfg.write_timeout_s + self.cfg.fence_grace_s)
             else:  # never landed: the consumer will not free this slot, so it comes back here
                 pool.give(remote)
                 st.failed = st.failed or ("chunk WRITE ended in ERR" if state == "ERR" else "chunk WRITE timed out")
@@ -402,7 +420,7 @@ class ProducerEndpoint(Endpoint):
                 notif = self.codec.encode(ChunkWritten(
                     transfer_id=item.key.transfer_id, attempt=item.key.attempt, producer_engine=self.cfg.engine_id,
                     producer_rank=self.cfg.rank, chunk=st.next_chunk, chunks=st.chunks, slot=remote, first=first,
-                    count=count))
+                    count=count, use=slots.use_of(remote)))
                 handle = self.transport.post(
                     "WRITE", peer.agent, np.array([[self.staging.slot_addr(local), nbytes, self.staging.device_id]], np.uint64),
                     np.array([[slots.slot_addr(remote), nbytes, slots.device_id]], np.uint64),

@@ -371,12 +371,61 @@ def check_nixl(env: Mapping[str, str], backends: Sequence[str]) -> list[Check]:
         if not err:
             checks.append(Check(name, True, str(path)))
             continue
-        fix = ("a libfabric exporting FABRIC_1.10 (libfabric >= 2.7; the EFA installer's lives in "
-               "/opt/amazon/efa/lib) must come first on LD_LIBRARY_PATH" if backend == "LIBFABRIC"
-               else "install the libraries it names")
+        fix = plugin_load_fix(err) if backend == "LIBFABRIC" else "install the libraries it names"
         checks.append(Check(name, False, f"{path} does not load",
                             (f"NIXL would refuse backend {backend!r} (\"unsupported backend\"): {err}; fix: {fix}",)))
     return checks
+
+
+def check_fabric(env: Mapping[str, str], hmem_for: str, probe=None) -> Check:
+    """The libfabric NIXL's LIBFABRIC plugin will load (with `env`): its providers, and `efa` with FI_HMEM so
+    that `hmem_for` memory ("Neuron HBM", "GPU memory") registers.  `probe`: fabric_info.probe_subprocess."""
+    from kvpush_common.transport import fabric_info
+
+    info = (probe or fabric_info.probe_subprocess)(dict(env))
+    if info is None:
+        return Check("libfabric", False, "not found", (f"libfabric.so.1 not found: {LIBFABRIC_PLUGIN_NEEDS[1][1]}",))
+    if isinstance(info, str):
+        return Check("libfabric", False, "probe failed", (info,))
+    listed = ", ".join(f"{p}{' (FI_HMEM)' if h else ''}" for p, h in sorted(info.providers.items())) or "none"
+    detail = f"libfabric {info.version[0]}.{info.version[1]}; providers: {listed}"
+    problems = []
+    if "efa" not in info.providers:
+        chosen = env.get("FI_PROVIDER")
+        problems.append(("no efa provider" + (f" (FI_PROVIDER={chosen} limits the list)" if chosen not in (None, "", "efa")
+                                              else "") +
+                         ": NIXL LIBFABRIC needs EFA (an EFA instance type, its interfaces attached, the EFA installer's "
+                         "libfabric in /opt/amazon/efa/lib first on LD_LIBRARY_PATH; check with fi_info -p efa)"))
+    elif not info.providers["efa"]:
+        problems.append(f"the efa provider offers no FI_HMEM: {hmem_for} cannot register (Neuron: libnrt.so.1 from "
+                        "aws-neuronx-runtime-lib on LD_LIBRARY_PATH; GPU: the NVIDIA driver with dma-buf or "
+                        "nvidia-peermem; and FI_HMEM, if set, must name that interface)")
+    if info.error:
+        problems.append(info.error)
+    return Check("libfabric", not problems, detail, tuple(problems))
+
+
+# What NIXL 1.5.1's LIBFABRIC plugin links, and how each is provided (measured: docs/design.md section 10).
+LIBFABRIC_PLUGIN_NEEDS = (
+    ("FABRIC_1.10", "a libfabric exporting FABRIC_1.10 (libfabric >= 2.7: the EFA installer's, in /opt/amazon/efa/lib) "
+                    "must come first on LD_LIBRARY_PATH"),
+    ("libfabric.so.1", "a libfabric exporting FABRIC_1.10 (libfabric >= 2.7: the EFA installer's, in "
+                       "/opt/amazon/efa/lib) must come first on LD_LIBRARY_PATH"),
+    ("libcuda.so.1", "the nixl-cu13 plugin links libcuda.so.1: on GPU hosts install the NVIDIA driver; on hosts without "
+                     "one (Trainium) use a NIXL built without CUDA, or build the four-function stand-in kvpush keeps "
+                     "(common/testing/native/libcuda_standin.c: cc -shared -fPIC -o libcuda.so.1 ...) onto "
+                     "LD_LIBRARY_PATH"),
+    ("libcudart.so.13", "pip install nvidia-cuda-runtime==13.0.96 and add its nvidia/cu13/lib to LD_LIBRARY_PATH"),
+    ("libhwloc.so.15", "apt-get install libhwloc15"),
+)
+
+
+def plugin_load_fix(error: str) -> str:
+    """The fix for a LIBFABRIC plugin load error: the first library the loader names that we know."""
+    for needle, fix in LIBFABRIC_PLUGIN_NEEDS:
+        if needle in error:
+            return fix
+    return "install the libraries it names"
 
 
 def check_library(name: str, soname: str, fix: str, *, symbols: Sequence[str] = (), warn: bool = False) -> Check:

@@ -77,6 +77,47 @@ class SlotPool:
         return self.addr + slot * self.chunk_bytes
 
 
+class LentSlots(SlotPool):
+    """A consumer rank's staging slots as its producer rank sees them.  Each use of a slot is numbered
+    (ChunkWritten carries the number and SlotFree echoes it), so a late SlotFree of an earlier use never
+    frees a slot that holds another chunk; a slot whose chunk landed but whose SlotFree never came (a
+    lost notification) is taken back `hold_s` after it landed, when the consumer has scattered it or
+    given up on its key (design section 9.5)."""
+
+    def __init__(self, addr: int, nbytes: int, chunk_bytes: int, device_id: int = 0):
+        super().__init__(addr, nbytes, chunk_bytes, device_id)
+        self._use: dict[int, int] = {}  # slot -> number of its current use
+        self._landed: dict[int, float] = {}  # slot -> when it is taken back without a SlotFree
+        self._next_use = 1
+
+    def take(self) -> int | None:
+        slot = super().take()
+        if slot is not None:
+            self._use[slot], self._next_use = self._next_use, self._next_use + 1
+        return slot
+
+    def use_of(self, slot: int) -> int:
+        return self._use[slot]
+
+    def landed(self, slot: int, now: float, hold_s: float) -> None:
+        self._landed[slot] = now + hold_s
+
+    def give(self, slot: int, use: int | None = None) -> None:
+        """Back to the pool: from our own failed WRITE (`use` None), or a SlotFree for `use`."""
+        if use is not None and self._use.get(slot) != use:
+            raise ValueError(f"slot {slot} freed for use {use}, but it is in use {self._use.get(slot)}")
+        super().give(slot)
+        self._use.pop(slot, None)
+        self._landed.pop(slot, None)
+
+    def reclaim(self, now: float) -> int:
+        """Take back the slots whose SlotFree is overdue; how many."""
+        overdue = [s for s, t in self._landed.items() if t <= now]
+        for s in overdue:
+            self.give(s)
+        return len(overdue)
+
+
 @dataclass
 class StagedWrite:
     """Producer side of one staged push to one consumer rank."""

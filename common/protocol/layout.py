@@ -96,6 +96,16 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
         return (self.num_layers, self.head_dim, self.dtype, self.dtype_size, self.kv_planes, self.token_rows)
 
 
+GEOMETRY_FIELDS = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes", "token_rows")
+
+
+def geometry_difference(peer: KVLayout, local: KVLayout) -> str | None:
+    """Which geometry fields differ, as `name peer vs local` (None: the same), for a refusal that names them."""
+    diffs = [f"{f} {getattr(peer, f)} vs {getattr(local, f)}" for f in GEOMETRY_FIELDS
+             if getattr(peer, f) != getattr(local, f)]
+    return ", ".join(diffs) or None
+
+
 def same_block_arrangement(src: KVLayout, dst: KVLayout, num_heads: int) -> bool:
     """A block's bytes of `num_heads` heads sit in the same order on both sides, so whole blocks copy as they
     are: the same block size and token bytes, and the same block order unless the slice is one head or a block

@@ -36,6 +36,9 @@ class _Leg(msgspec.Struct, tag_field="kvpush", frozen=True):
 class PrefillLeg(_Leg, tag="prefill"):
     transfer_id: Id
     attempt: Attempt = 0
+    # the decode instance's TP size when the router knows it: a producer rank that no consumer rank
+    # reads from then releases its KV at once instead of holding it to the lease end
+    consumer_tp: TpSize | None = None
 
 
 class DecodeLeg(_Leg, tag="decode"):
@@ -55,7 +58,7 @@ def parse_leg(params: dict | None) -> Leg | None:
     """The kvpush leg in a request's kv_transfer_params, or None (absent or malformed: logged)."""
     if not params or "kvpush" not in params:
         return None
-    fields = {k: params[k] for k in ("kvpush", "transfer_id", "attempt", "producer") if k in params}
+    fields = {k: params[k] for k in ("kvpush", "transfer_id", "attempt", "producer", "consumer_tp") if k in params}
     try:
         return msgspec.convert(fields, Leg)
     except (msgspec.ValidationError, TypeError) as e:

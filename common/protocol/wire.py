@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from kvpush_common.protocol.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Unneeded
 MAGIC = b"KVP"
 HEADER_LEN = len(MAGIC) + 2
 MAC_LEN = 32
@@ -121,6 +121,18 @@ class Revoke(_Msg, tag="revoke"):
     reason: Reason = ""
 
 
+class Unneeded(_Msg, tag="unneeded"):
+    """Consumer rank -> producer rank: this attempt needs no bytes (the decode computes the prompt's short
+    tail itself, from its own prefix cache): release the KV as soon as it is ready.  Never registered, so no
+    WRITE can be in flight into this rank for it and no ack is needed."""
+
+    transfer_id: Id
+    attempt: Attempt
+    consumer_engine: Id
+    consumer_rank: Rank
+    reason: Reason = ""
+
+
 class RevokeAck(_Msg, tag="revoke_ack"):
     """Producer rank: no WRITE for this key into the revoking rank is in flight or will be posted."""
 
@@ -196,6 +208,7 @@ class ChunkWritten(_Msg, tag="chunk"):
     slot: Annotated[int, Meta(ge=0, lt=1 << 16)]
     first: Annotated[int, Meta(ge=0, lt=MAX_BLOCK_IDS)]
     count: Annotated[int, Meta(ge=1, le=MAX_BLOCK_IDS)]
+    use: Annotated[int, Meta(ge=0, lt=1 << 62)] = 0  # this use of the slot, echoed in SlotFree
 
 
 class SlotFree(_Msg, tag="slot_free"):
@@ -204,10 +217,11 @@ class SlotFree(_Msg, tag="slot_free"):
     consumer_engine: Id
     consumer_rank: Rank
     slot: Annotated[int, Meta(ge=0, lt=1 << 16)]
+    use: Annotated[int, Meta(ge=0, lt=1 << 62)] = 0  # ChunkWritten.use of the chunk read out (0: unknown)
 
 
-Message = Union[Hello, HelloReject, Register, Revoke, RevokeAck, Heartbeat, WriteDone, WriteFailed, ReadGrant,
-                ReadResult, ChunkWritten, SlotFree]
+Message = Union[Hello, HelloReject, Register, Revoke, Unneeded, RevokeAck, Heartbeat, WriteDone, WriteFailed,
+                ReadGrant, ReadResult, ChunkWritten, SlotFree]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

@@ -3,9 +3,12 @@
 Modes: `push` (kvpush: both legs at once, D's blocks registered while P computes), `nixl-pull` (vLLM
 NixlConnector: P, then D with P's answer), `nixl-push` (vLLM NixlPushConnector: both legs at once) and
 `single` (one instance, the reference).  Producer identities are learned once at start-up, so the
-request path only builds leg bodies and relays bytes.  The client sees nothing until P has answered
-2xx and D has sent its headers; until then a failed prefill is retried with the same transfer_id and
-the next attempt (kvpush refuses older attempts).  Every request ends within `request_timeout_s`.
+request path only builds leg bodies, picks instances (`policy.py`: kv-aware or round-robin, from state
+the health loop refreshes) and relays bytes.  The client sees nothing until P has answered 2xx and D has
+sent its first bytes -- or D answered first (it computed the prompt itself), and P's leg is aborted.
+Until the client saw a byte, a failed prefill is retried with the same transfer_id and the next attempt
+(kvpush refuses older attempts), and a failed decode moves to another decode instance the same way.
+Every request ends within `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvpush_common.protocol.legs import ProducerIdentity
+from kvpush_common.router.load import parse_vllm_load
+from kvpush_common.router.policy import POLICIES, Instance, make_policy
+from kvpush_common.router.prefix_index import prompt_hashes
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +57,11 @@ class RouterConfig:
     startup_timeout_s: float = 600.0
     health_interval_s: float = 5.0
     warm_up: bool = True  # push: one tiny request per (prefill, decode) pair at start-up (handshakes early)
+    policy: str = "kv-aware"  # router/policy.py: kv-aware or round-robin
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if not self.decode_urls:
@@ -104,8 +113,9 @@ class ClientFields(msgspec.Struct):
 
 # ---- leg bodies (pure) -------------------------------------------------------------------------------
 
-def push_prefill_params(transfer_id: str, attempt: int) -> dict:
-    return {"kvpush": "prefill", "transfer_id": transfer_id, "attempt": attempt}
+def push_prefill_params(transfer_id: str, attempt: int, consumer_tp: int | None = None) -> dict:
+    params = {"kvpush": "prefill", "transfer_id": transfer_id, "attempt": attempt}
+    return params if consumer_tp is None else {**params, "consumer_tp": consumer_tp}
 
 
 def push_decode_params(transfer_id: str, attempt: int, producer: ProducerIdentity) -> dict:
@@ -129,21 +139,26 @@ def nixl_push_decode_params(producer: NixlProducer, request_id: str, transfer_id
             "remote_request_id": request_id, "transfer_id": transfer_id}
 
 
-def leg_params(mode: str, producer: Any, transfer_id: str, attempt: int, request_id: str) -> tuple[dict, dict | None]:
+def leg_params(mode: str, producer: Any, transfer_id: str, attempt: int, request_id: str,
+               consumer_tp: int | None = None) -> tuple[dict, dict | None]:
     """kv_transfer_params of the prefill leg, and of the decode leg when it is known before P answers."""
     if mode == "push":
-        return push_prefill_params(transfer_id, attempt), push_decode_params(transfer_id, attempt, producer)
+        return (push_prefill_params(transfer_id, attempt, consumer_tp),
+                push_decode_params(transfer_id, attempt, producer))
     if mode == "nixl-push":
         return nixl_prefill_params(transfer_id), nixl_push_decode_params(producer, request_id, transfer_id)
-    if mode == "pull":  # kvpush pull: D is chosen (and its leg sent) only once P has answered
-        return push_prefill_params(transfer_id, attempt), None
+    if mode == "pull":  # kvpush pull: D's leg is sent only once P has answered
+        return push_prefill_params(transfer_id, attempt, consumer_tp), None
     return nixl_prefill_params(), None  # nixl-pull: D's params are P's answer
 
 
 def prefill_body(body: dict, kv_params: dict, chat: bool) -> dict:
-    """P computes the KV and one token, unstreamed; options that clash with that are dropped."""
-    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    """P computes the KV and one token, unstreamed; options that clash with that are dropped.  One
+    sequence: the prompt's KV is the same for every sample of `n > 1`, whose samples D draws."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "best_of")}
     leg.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
+    if "n" in leg:
+        leg["n"] = 1
     if chat:
         leg["max_completion_tokens"] = 1
     return leg
@@ -189,10 +204,14 @@ class RequestContext:
     headers: dict[str, str]
     transfer_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
+    arrival_unix: float = field(default_factory=time.time)  # joins timelines with the endpoints' event logs
     attempt: int = 0
     outcome: str | None = None
     stamps: dict[str, float] = field(default_factory=dict)
     streamed: web.StreamResponse | None = None  # set once bytes went to the client
+    hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix hash chain (routing)
+    route: dict = field(default_factory=dict)  # this attempt's instances and why (timeline)
+    failed_decodes: set[str] = field(default_factory=set)  # decode instances that failed this request
 
     def stamp(self, name: str) -> None:
         self.stamps[name] = round((time.monotonic() - self.arrival) * 1000, 3)
@@ -219,6 +238,11 @@ class RouterMetrics:
                               ["mode"], buckets=seconds, registry=self.registry)
         self.prefill = Histogram("kvpush_router_prefill_seconds", "prefill leg: dispatch to P's whole answer",
                                  ["mode"], buckets=seconds, registry=self.registry)
+        self.migrations = Counter("kvpush_router_migrations", "requests moved to another decode instance after a "
+                                  "decode failure before the client saw a byte", ["mode"], registry=self.registry)
+        self.prefill_cancelled = Counter("kvpush_router_prefill_cancelled",
+                                         "prefill legs aborted because D answered first (it computed the prompt "
+                                         "from its own prefix cache)", ["mode"], registry=self.registry)
 
 
 @dataclass
@@ -241,8 +265,11 @@ class Router:
         self.mode = config.mode
         self.prefills = [Prefill(u.rstrip("/")) for u in config.prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in config.decode_urls]
-        self._next_prefill = itertools.cycle(self.prefills) if self.prefills else None
-        self._next_decode = itertools.cycle(self.decode_urls)
+        self._next_decode = itertools.cycle(self.decode_urls)  # /v1/models only
+        self.p_instances = {p.url: Instance(p.url) for p in self.prefills}
+        self.d_instances = {u: Instance(u) for u in self.decode_urls}
+        self.p_policy, self.d_policy = make_policy(config.policy), make_policy(config.policy)
+        self.consumer_tp: dict[str, int] = {}  # decode url -> its TP size (kvpush modes, learned at start-up)
         self.health = {u: Health() for u in dict.fromkeys([p.url for p in self.prefills] + self.decode_urls)}
         self.metrics = RouterMetrics()
         self.timelines: collections.deque[dict] = collections.deque(maxlen=TIMELINES_KEPT)
@@ -259,6 +286,8 @@ class Router:
         if self.mode in IDENTITY_MODES:
             deadline = time.monotonic() + self.config.startup_timeout_s
             await asyncio.gather(*(self._learn_producer(p, deadline) for p in self.prefills))
+            if self.mode in KVPUSH_MODES:
+                await asyncio.gather(*(self._learn_consumer(d, deadline) for d in self.decode_urls))
             if self.mode == "push" and self.config.warm_up:
                 await asyncio.gather(*(self._warm_up(p, d, deadline) for p in self.prefills for d in self.decode_urls))
         await self._check_health()
@@ -284,16 +313,10 @@ class Router:
         """Ask P who it is once, with a probe request, so no request ever waits on it."""
         await self._wait_healthy(prefill.url, deadline)
         try:
-            async with self.session.get(f"{prefill.url}/v1/models") as resp:
-                model = msgspec.json.decode(await resp.read(), type=_ModelList).data[0].id
             params = {"kvpush": "identity"} if self.mode in KVPUSH_MODES else nixl_prefill_params()
-            probe = {"model": model, "prompt": "ping", "max_tokens": 1, "kv_transfer_params": params}
-            timeout = aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))
-            async with self.session.post(f"{prefill.url}/v1/completions", json=probe, timeout=timeout) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise StartupError(f"prefill {prefill.url} answered the identity probe with "
-                                       f"{resp.status}: {raw[:500]!r}")
+            status, raw = await self._probe(prefill.url, params, deadline)
+            if status != 200:
+                raise StartupError(f"prefill {prefill.url} answered the identity probe with {status}: {raw[:500]!r}")
             got = msgspec.json.decode(raw, type=UpstreamReply).kv_transfer_params
         except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, msgspec.ValidationError,
                 IndexError) as e:
@@ -311,6 +334,28 @@ class Router:
             raise StartupError(f"prefill {prefill.url} did not report its identity ({e}); expected {want} "
                                f"Got kv_transfer_params={got!r}") from e
         log.info("prefill %s is %s", prefill.url, prefill.producer)
+
+    async def _probe(self, url: str, kv_params: dict, deadline: float) -> tuple[int, bytes]:
+        """One tiny completion carrying `kv_params` (the start-up identity probes): HTTP status and body."""
+        async with self.session.get(f"{url}/v1/models") as resp:
+            model = msgspec.json.decode(await resp.read(), type=_ModelList).data[0].id
+        probe = {"model": model, "prompt": "ping", "max_tokens": 1, "kv_transfer_params": kv_params}
+        timeout = aiohttp.ClientTimeout(total=max(1.0, deadline - time.monotonic()))
+        async with self.session.post(f"{url}/v1/completions", json=probe, timeout=timeout) as resp:
+            return resp.status, await resp.read()
+
+    async def _learn_consumer(self, url: str, deadline: float) -> None:
+        """D's TP size, asked once like P's identity: P's ranks that no D rank reads from then release
+        their KV at once.  Optional: without it those ranks hold their KV to the lease end."""
+        try:
+            await self._wait_healthy(url, deadline)
+            _, raw = await self._probe(url, {"kvpush": "identity"}, deadline)
+            got = msgspec.json.decode(raw, type=UpstreamReply).kv_transfer_params
+            self.consumer_tp[url] = msgspec.convert(got, _IdentityParams).kvpush_identity.tp_size
+            log.info("decode %s has TP %d", url, self.consumer_tp[url])
+        except Exception as e:  # noqa: BLE001 - an optimisation; serving goes on without it
+            log.warning("decode %s did not report its TP size (%r): prefill ranks no decode rank reads from "
+                        "will hold their KV until the lease ends", url, e)
 
     async def _warm_up(self, prefill: Prefill, decode_url: str, deadline: float) -> None:
         """One tiny push through each (prefill, decode) pair, so that the decode ranks handshake with the
@@ -368,6 +413,29 @@ class Router:
                 self.health[url].last_ok = now
             else:
                 self.health[url].error = error
+        if self.config.policy == "kv-aware":
+            await asyncio.gather(*(self._scrape_load(u) for u in self.health))
+
+    async def _scrape_load(self, url: str) -> None:
+        """The instance's queue and KV-cache use from its /metrics (the kv-aware policy's load term)."""
+        timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
+        try:
+            async with self.session.get(f"{url}/metrics", timeout=timeout) as resp:
+                load = parse_vllm_load(await resp.text()) if resp.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError):
+            load = {}
+        for inst in (self.p_instances.get(url), self.d_instances.get(url)):
+            if inst is not None:
+                inst.waiting = load.get("waiting", 0.0)
+                inst.running = load.get("running", 0.0)
+                inst.kv_usage = load.get("kv_usage", 0.0)
+
+    def _healthy(self, instances: list[Instance], avoid: set[str] = frozenset()) -> list[Instance]:
+        """The instances to choose from: healthy ones not to avoid; else any not to avoid; else all."""
+        fresh = time.monotonic() - 3 * self.config.health_interval_s
+        usable = [i for i in instances if i.url not in avoid]
+        healthy = [i for i in usable if (self.health[i.url].last_ok or 0.0) >= fresh]
+        return healthy or usable or instances
 
     async def _health_loop(self) -> None:
         while True:
@@ -408,7 +476,7 @@ class Router:
                                      status=400)
         ctx = RequestContext(path=request.path, chat=chat, body=body, stream=stream,
                              request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
-                             headers=_auth(request))
+                             headers=_auth(request), hashes=prompt_hashes(body, chat))
         response: web.StreamResponse | None = None
         try:
             response = await asyncio.wait_for(self._serve(request, ctx), self.config.request_timeout_s)
@@ -428,7 +496,7 @@ class Router:
         if self.mode == "single":
             ctx.stamp("dispatched")
             try:
-                upstream = await self._open_decode(self.decode_urls[0], ctx, None)
+                upstream = await self._first_output(self.decode_urls[0], ctx, None)
             except LegError as e:
                 return await self._leg_failed(ctx, e)
             return await self._relay(request, ctx, upstream)
@@ -438,50 +506,89 @@ class Router:
             if attempt:
                 self.metrics.retries.labels(self.mode).inc()
                 log.warning("request %s: retrying as attempt %d after: %s", ctx.request_id, attempt, last)
+            decode = None
             try:
-                upstream = await self._attempt(ctx)
+                output = await self._attempt(ctx)
+                decode = self.d_instances[ctx.route["decode"]]
+                return await self._relay(request, ctx, output)
             except LegError as e:
-                if e.leg != "prefill" or e.is_client_error:
+                if e.is_client_error or not self._retryable(ctx, e):
                     return await self._leg_failed(ctx, e)
-                self.metrics.failures.labels(self.mode, f"prefill_{e.cause}").inc()
+                if e.leg == "decode":  # nothing reached the client: migrate to another decode instance
+                    ctx.failed_decodes.add(ctx.route["decode"])
+                    self.metrics.migrations.labels(self.mode).inc()
+                self.metrics.failures.labels(self.mode, f"{e.leg}_{e.cause}").inc()
                 last = e
                 continue
-            return await self._relay(request, ctx, upstream)
+            finally:
+                if decode is not None:
+                    decode.in_flight -= 1
         return await self._fail(ctx, "retries_exhausted", "failed", 502,
-                                f"prefill failed in all {self.config.retries + 1} attempts; last: {last}")
+                                f"no attempt succeeded in all {self.config.retries + 1} attempts; last: {last}")
 
-    async def _attempt(self, ctx: RequestContext) -> aiohttp.ClientResponse:
-        """One try at both legs: D's open response once P has answered 2xx and D has sent its headers."""
-        prefill = next(self._next_prefill)
-        decode_url = next(self._next_decode)
+    def _retryable(self, ctx: RequestContext, e: LegError) -> bool:
+        """A prefill failure is retried; a decode failure only before the client saw a byte and when another
+        decode instance is there to take the request (request migration)."""
+        if e.leg == "prefill":
+            return True
+        others = [u for u in self.d_instances if u != ctx.route.get("decode") and u not in ctx.failed_decodes]
+        return ctx.streamed is None and bool(others)
+
+    async def _attempt(self, ctx: RequestContext) -> "DecodeOutput":
+        """One try at both legs: D's first output once P has answered 2xx -- or before, when D answers first
+        (it computed the prompt from its own prefix cache): then the prefill leg lost the race and is
+        aborted (closing its connection makes vLLM abort the request and free its blocks)."""
+        p_choice = self.p_policy.choose(self._healthy(list(self.p_instances.values())), ctx.hashes)
+        d_choice = self.d_policy.choose(self._healthy(list(self.d_instances.values()), ctx.failed_decodes),
+                                        ctx.hashes)
+        prefill = next(p for p in self.prefills if p.url == p_choice.instance.url)
+        decode_url = d_choice.instance.url
+        ctx.route = {"prefill": prefill.url, "decode": decode_url, "prefill_why": p_choice.why,
+                     "decode_why": d_choice.why}
+        for choice in (p_choice, d_choice):
+            choice.instance.index.record(ctx.hashes)  # both will hold the prompt's KV (P computes, D receives)
         p_params, d_params = leg_params(self.mode, prefill.producer, ctx.transfer_id, ctx.attempt,
-                                        ctx.leg_headers()["X-Request-Id"])
+                                        ctx.leg_headers()["X-Request-Id"], self.consumer_tp.get(decode_url))
         ctx.stamp("dispatched")
         prefill_task = asyncio.create_task(self._prefill_leg(prefill.url, ctx, p_params))
         decode_task = None
         if d_params is not None:
-            decode_task = asyncio.create_task(self._open_decode(decode_url, ctx, d_params))
+            decode_task = asyncio.create_task(self._first_output(decode_url, ctx, d_params))
+        d_choice.instance.in_flight += 1  # until the request is relayed (then the caller ends it)
         try:
             pending = {t for t in (prefill_task, decode_task) if t}
             while prefill_task in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task not in done:
-                    decode_task.result()  # D failed first: that ends the request; D's 2xx headers wait for P
+                    output = decode_task.result()  # D failed first: that ends the request
+                    await _discard(prefill_task)
+                    ctx.stamp("prefill_cancelled")
+                    self.metrics.prefill_cancelled.labels(self.mode).inc()
+                    return output
             reply = prefill_task.result()
             ctx.stamp("prefill_done")
             if decode_task is None and self.mode == "pull":  # late destination choice
                 d_params = push_decode_params(ctx.transfer_id, ctx.attempt, prefill.producer)
-                decode_task = asyncio.create_task(self._open_decode(decode_url, ctx, d_params))
+                decode_task = asyncio.create_task(self._first_output(decode_url, ctx, d_params))
             if decode_task is None:  # nixl-pull: D's params are exactly what P answered
                 if not reply.kv_transfer_params:
                     raise LegError("prefill", "bad_reply", f"prefill {prefill.url} answered no kv_transfer_params")
-                decode_task = asyncio.create_task(self._open_decode(decode_url, ctx, reply.kv_transfer_params))
+                decode_task = asyncio.create_task(self._first_output(decode_url, ctx, reply.kv_transfer_params))
             return await decode_task
         except BaseException:
+            d_choice.instance.in_flight -= 1
             await _discard(prefill_task, decode_task)
             raise
 
     async def _prefill_leg(self, url: str, ctx: RequestContext, params: dict) -> UpstreamReply:
+        inst = self.p_instances[url]
+        inst.in_flight += 1
+        try:
+            return await self._prefill_answer(url, ctx, params)
+        finally:
+            inst.in_flight -= 1
+
+    async def _prefill_answer(self, url: str, ctx: RequestContext, params: dict) -> UpstreamReply:
         started = time.monotonic()
         data = msgspec.json.encode(prefill_body(ctx.body, params, ctx.chat))
         try:
@@ -522,36 +629,45 @@ class Router:
         raise LegError("decode", "status", f"decode {url} answered {resp.status}",
                        UpstreamAnswer(resp.status, raw, resp.headers.get("Content-Type", "application/json")))
 
-    async def _relay(self, request: web.Request, ctx: RequestContext,
-                     upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _first_output(self, url: str, ctx: RequestContext, params: dict | None) -> "DecodeOutput":
+        """D's response and the first bytes of its body (for a stream: the first token)."""
+        resp = await self._open_decode(url, ctx, params)
+        try:
+            first = await resp.content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            resp.close()
+            raise LegError("decode", "stream", f"decode {url} stream broke before its first byte: {e!r}") from e
+        except BaseException:
+            resp.close()
+            raise
+        ctx.stamp("first_byte")
+        self.metrics.ttft.labels(self.mode).observe(ctx.stamps["first_byte"] / 1000)
+        return DecodeOutput(resp, first)
+
+    async def _relay(self, request: web.Request, ctx: RequestContext, output: "DecodeOutput") -> web.StreamResponse:
         """D's answer to the client: whole, with the timeline header, or chunk by chunk when streaming."""
+        upstream, chunk = output.response, output.first
         chunks: list[bytes] = []
         headers = {"Content-Type": upstream.headers.get("Content-Type", "application/json"),
                    "X-Request-Id": ctx.request_id}
         try:
-            while True:
+            while chunk:
+                if not ctx.stream:
+                    chunks.append(chunk)
+                else:
+                    if ctx.streamed is None:
+                        ctx.streamed = web.StreamResponse(status=upstream.status, headers=headers)
+                        await ctx.streamed.prepare(request)
+                    try:
+                        await ctx.streamed.write(chunk)
+                    except ConnectionError:
+                        self.metrics.failures.labels(self.mode, "client_gone").inc()
+                        ctx.outcome = "client_gone"
+                        return ctx.streamed
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    return await self._fail(ctx, "decode_stream", "failed", 502,
-                                            f"decode stream broke: {e!r}")
-                if not chunk:
-                    break
-                if "first_byte" not in ctx.stamps:
-                    ctx.stamp("first_byte")
-                    self.metrics.ttft.labels(self.mode).observe(ctx.stamps["first_byte"] / 1000)
-                if not ctx.stream:
-                    chunks.append(chunk)
-                    continue
-                if ctx.streamed is None:
-                    ctx.streamed = web.StreamResponse(status=upstream.status, headers=headers)
-                    await ctx.streamed.prepare(request)
-                try:
-                    await ctx.streamed.write(chunk)
-                except ConnectionError:
-                    self.metrics.failures.labels(self.mode, "client_gone").inc()
-                    ctx.outcome = "client_gone"
-                    return ctx.streamed
+                    return await self._fail(ctx, "decode_stream", "failed", 502, f"decode stream broke: {e!r}")
             ctx.stamp("done")
             ctx.outcome = ctx.outcome or "ok"
             if ctx.streamed is not None:
@@ -594,10 +710,21 @@ class Router:
         outcome = ctx.outcome or ("ok" if response is not None and response.status < 400 else "failed")
         self.metrics.requests.labels(self.mode, outcome).inc()
         entry = {"transfer_id": ctx.transfer_id, "attempt": ctx.attempt, "mode": self.mode,
-                 "request_id": ctx.request_id, "outcome": outcome, **ctx.stamps}
+                 "request_id": ctx.request_id, "outcome": outcome, "arrival_unix": round(ctx.arrival_unix, 6),
+                 **ctx.stamps, "route": ctx.route}
+        if ctx.failed_decodes:
+            entry["migrated_from"] = sorted(ctx.failed_decodes)
         self.timelines.append(entry)
         if ctx.stream:
             log.info("timeline %s", json.dumps(entry))
+
+
+@dataclass
+class DecodeOutput:
+    """D's open response and the first bytes read from its body."""
+
+    response: aiohttp.ClientResponse
+    first: bytes
 
 
 async def _discard(*tasks: asyncio.Task | None) -> None:
@@ -607,8 +734,8 @@ async def _discard(*tasks: asyncio.Task | None) -> None:
         task.cancel()
     await asyncio.gather(*live, return_exceptions=True)
     for task in live:
-        if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
-            task.result().close()
+        if not task.cancelled() and task.exception() is None and isinstance(task.result(), DecodeOutput):
+            task.result().response.close()
 
 
 def _auth(request: web.Request) -> dict[str, str]:

@@ -7,6 +7,7 @@ are events; outputs are actions the worker thread carries out.  A destination is
     registration + ready  -> StartWrite per destination (whichever arrives second triggers it)
     write result          -> when every expected destination is finished: Release(outcome)
     revoke                -> drop the destination's pending registration, ack once nothing is in flight
+    unneeded              -> the consumer computes the prompt itself: release as soon as the KV is ready
     deadlines             -> unmatched registrations fail after their TTL; ready KV is released
                              when its lease (renewed by heartbeats) runs out with nothing in flight
 """
@@ -14,6 +15,7 @@ are events; outputs are actions the worker thread carries out.  A destination is
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +30,7 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"  # a write failed, was refused, or the attempt was superseded
     EXPIRED = "expired"  # lease or registration deadline passed
     CANCELLED = "cancelled"  # revoked by the consumer or aborted by the producer engine
+    UNNEEDED = "unneeded"  # the consumer said it needs no bytes (it computes the short tail itself)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class Rendezvous:
         self.max_entries = max_entries
         self.floor = AttemptFloor(tombstone_s)
         self._entries: dict[TransferKey, _Entry] = {}
+        # keys a consumer declined before their KV was ready (bounded, oldest dropped: the floor still refuses them)
+        self._unneeded: OrderedDict[TransferKey, str] = OrderedDict()
 
     # ---- queries ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -121,7 +126,9 @@ class Rendezvous:
         }
 
     # ---- events ----------------------------------------------------------------------------------
-    def on_register(self, reg: Register, now: float) -> list[Action]:
+    def on_register(self, reg: Register, now: float, arrived_after: float | None = None) -> list[Action]:
+        """`arrived_after`: the registration was not there before this time (default `now`); its ttl
+        counts from then, and one already past it is refused as expired."""
         key = TransferKey(reg.transfer_id, reg.attempt)
         dest = (reg.consumer_engine, reg.consumer_rank)
         entry = self._entries.get(key)
@@ -132,6 +139,10 @@ class Rendezvous:
         refusal = self.floor.refusal(key)
         if refusal:
             return [SendFailed(key, dest, "stale", refusal)]
+        since = now if arrived_after is None else min(now, arrived_after)
+        if since + reg.ttl_ms / 1000.0 <= now:
+            return [SendFailed(key, dest, "expired", f"registration of unknown age: fetched {now - since:.1f} s "
+                                                     f"after the producer last looked, past its ttl")]
         actions = self._supersede_older(key, now)
         entry = self._entries.get(key)
         bound = entry is not None and entry.consumer_engine is not None
@@ -151,7 +162,7 @@ class Rendezvous:
         if entry.closing is not None:
             entry.finished[dest] = False
             return actions + [SendFailed(key, dest, entry.closing.value, entry.closing_reason)]
-        entry.pending[dest] = (reg, now + reg.ttl_ms / 1000.0)
+        entry.pending[dest] = (reg, since + reg.ttl_ms / 1000.0)
         return actions + self._match(key, entry, now)
 
     def on_ready(self, key: TransferKey, ready: ReadyKV, now: float) -> list[Action]:
@@ -160,7 +171,7 @@ class Rendezvous:
             return []  # engine reported readiness twice; keep the first (releasing now would free KV in flight)
         refusal = self.floor.refusal(key)
         if refusal:
-            return [Release(key, Outcome.FAILED, refusal)]
+            return [self._refused(key, refusal)]
         actions = self._supersede_older(key, now)
         entry = self._entries.setdefault(key, _Entry())
         if entry.ready is not None:
@@ -200,8 +211,28 @@ class Rendezvous:
         entry.finished.setdefault(dest, False)
         return [SendRevokeAck(key, dest)] + self._close(key, entry, Outcome.CANCELLED, reason, now)
 
-    def on_heartbeat(self, keys: list[TransferKey], now: float, consumer_engine: str | None = None) -> None:
-        """Renew leases and registration deadlines; a key bound to another consumer is left alone."""
+    def on_unneeded(self, key: TransferKey, dest: Dest, reason: str, now: float) -> list[Action]:
+        """The consumer engine computes this attempt's prompt itself (every rank says so; the first is
+        enough): nothing is written for it into any of its ranks; the KV is released once ready and
+        nothing is in flight (at once if already ready), instead of at the lease end."""
+        why = f"unneeded by consumer {dest[0]}" + (f": {reason}" if reason else "")
+        entry = self._entries.get(key)
+        if entry is None:
+            if self.floor.refusal(key) is None:  # not ended yet: remember why its readiness will be refused
+                self.floor.end(key, now)
+                self._unneeded[key] = why
+                while len(self._unneeded) > self.max_entries:
+                    self._unneeded.popitem(last=False)
+            return []
+        if entry.consumer_engine is not None and dest[0] != entry.consumer_engine:
+            return []  # bound to another consumer engine: not this one's to decline
+        return self._close(key, entry, Outcome.UNNEEDED, why, now)
+
+    def on_heartbeat(self, keys: list[TransferKey], now: float, consumer_engine: str | None = None,
+                     arrived_after: float | None = None) -> None:
+        """Renew leases and registration deadlines, counted from `arrived_after` (default `now`: see
+        on_register); a key bound to another consumer is left alone."""
+        now = now if arrived_after is None else min(now, arrived_after)
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:
@@ -212,6 +243,19 @@ class Rendezvous:
                 entry.lease_deadline = max(entry.lease_deadline, now + self.lease_s)
             for dest, (reg, deadline) in list(entry.pending.items()):
                 entry.pending[dest] = (reg, max(deadline, now + reg.ttl_ms / 1000.0))
+
+    def on_unread(self, key: TransferKey, ready: ReadyKV, now: float, reason: str) -> list[Action]:
+        """KV ready that no consumer rank will read from this producer rank (head replication, a
+        decode TP that routes elsewhere): released at once, not held to the lease end.  A key that
+        already has an entry (a registration came anyway) takes the normal path."""
+        if key in self._entries:
+            return self.on_ready(key, ready, now)
+        refusal = self.floor.refusal(key)
+        if refusal:
+            return [self._refused(key, refusal)]
+        actions = self._supersede_older(key, now)
+        self.floor.end(key, now)  # a late registration for it is refused as stale
+        return actions + [Release(key, Outcome.DONE, reason)]
 
     def on_local_abort(self, key: TransferKey, reason: str, now: float) -> list[Action]:
         """The producer engine dropped the request (e.g. its prefill was aborted)."""
@@ -236,9 +280,16 @@ class Rendezvous:
         for key in self._entries:  # a live key keeps refusing its older attempts, however long it lives
             self.floor.raise_to(key.transfer_id, key.attempt, now)
         self.floor.prune(now)
+        for key in [k for k in self._unneeded if self.floor.refusal(k) is None]:  # pruned from the floor
+            del self._unneeded[key]
         return actions
 
     # ---- internals -------------------------------------------------------------------------------
+    def _refused(self, key: TransferKey, refusal: str) -> Release:
+        """Ready KV of an ended key: released at once, as unneeded when its consumer declined it."""
+        declined = self._unneeded.pop(key, None)
+        return Release(key, Outcome.UNNEEDED, declined) if declined is not None else Release(key, Outcome.FAILED, refusal)
+
     def _match(self, key: TransferKey, entry: _Entry, now: float) -> list[Action]:
         if entry.ready is None or entry.closing is not None:
             return []

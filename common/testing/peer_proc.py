@@ -39,7 +39,7 @@ def _unfix(names: str) -> None:
     for name in filter(None, names.split(",")):
         if name == "stall":  # heartbeats and registrations fetched after a stall were trusted
             orig_on_msg = ProducerEndpoint._on_msg
-            ProducerEndpoint._on_msg = lambda self, peer, msg, now, stalled: orig_on_msg(self, peer, msg, now, False)
+            ProducerEndpoint._on_msg = lambda self, peer, msg, now, arrived_after: orig_on_msg(self, peer, msg, now, now)
         elif name == "incarnation":  # a registration's block ids were written into any incarnation
             ProducerEndpoint._same_incarnation = lambda self, a, peer: True
         elif name == "guard":  # one exception dropped the rest of the worker step
@@ -113,6 +113,10 @@ class Peer:
         cfg = dict(cfg)
         if cfg.get("secret"):
             cfg["secret"] = cfg["secret"].encode()
+        if "transport" in cfg:  # e.g. {"backend": "LIBFABRIC"} (the libfabric test tier)
+            from kvpush_common.transport.nixl import TransportConfig
+
+            cfg["transport"] = TransportConfig(**cfg["transport"])
         config = EndpointConfig(**cfg)
         self.backend = make_backend(dict(backend))
         factory = nixl_transport
@@ -123,7 +127,8 @@ class Peer:
         self.ep = cls(config, self.backend, transport_factory=factory).start()
         threading.Thread(target=self._collector, daemon=True).start()
         port = self.ep.address[1] if role == "producer" else None
-        return {"port": port}
+        transport = getattr(self.ep.transport, "inner", self.ep.transport)  # under FaultyTransport: the real one
+        return {"port": port, "nixl_backend": transport.config.backend}
 
     def op_fill(self, seed):
         rng = np.random.default_rng(seed)
@@ -139,12 +144,16 @@ class Peer:
                 self.backend.write_bytes(np.full(length, byte, dtype=np.uint8), off)
         return {}
 
-    def op_ready(self, tid, attempt, blocks, num_tokens):
-        self.ep.kv_ready(tid, attempt, blocks, num_tokens)
+    def op_ready(self, tid, attempt, blocks, num_tokens, consumer_tp=None):
+        self.ep.kv_ready(tid, attempt, blocks, num_tokens, consumer_tp=consumer_tp)
         return {}
 
     def op_expect(self, tid, attempt, producer, blocks, num_tokens, first_token=0):
         self.ep.expect(tid, attempt, ProducerIdentity(**producer), blocks, num_tokens, first_token)
+        return {}
+
+    def op_decline(self, tid, attempt, producer, reason="test: tail computed here"):
+        self.ep.decline(tid, attempt, ProducerIdentity(**producer), reason)
         return {}
 
     def op_abort(self, tid, attempt, reason="test abort"):
@@ -225,6 +234,11 @@ class Peer:
                     counts[s.name + (f"[{label}]" if label else "")] = s.value
         faults = dict(getattr(self.ep.transport, "counts", {}))
         return {"counters": counts, "faults": faults}
+
+    def op_lent_slots(self):
+        """Producer: the staging slots consumer ranks lent it, free and in all (a leak shows as free < size)."""
+        pools = list(getattr(self.ep, "_peer_slots", {}).values())
+        return {"free": sum(len(p.free) for p in pools), "size": sum(p.size for p in pools)}
 
     def op_quit(self):
         if self.ep is not None:

@@ -20,11 +20,6 @@ TIMEOUTS = {"reg_ttl_s": 3, "write_timeout_s": 2, "heartbeat_s": 1, "lease_s": 1
 ENGINE_ID = "chaos-prefill"  # fixed, so that a restarted prefill keeps the identity the router learned
 
 
-def prompts() -> list[str]:
-    block = "def handler(request):\n    return request.json()\n"
-    return ["a", "import os", block * 3, block * 10, block * 22]
-
-
 class Pair:
     def __init__(self, work, env: dict | None = None):
         self.work = work
@@ -33,7 +28,9 @@ class Pair:
         self.p_port, self.d_metrics = free_port_pair(), free_port_pair()
         self.P = self._prefill()
         self.D = VllmServer("D", self.model, role="kv_consumer", log_dir=work, core="1", env=self.env,
-                            failure_policy="recompute", extra={**TIMEOUTS, "metrics_port": self.d_metrics})
+                            failure_policy="recompute",
+                            # every request receives its KV (repeated prompts included): the faults hit transfers
+                            extra={**TIMEOUTS, "metrics_port": self.d_metrics, "local_prefill_max_tokens": 0})
         self.router = None
         self.restarts = 0
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -116,18 +117,19 @@ class Process:
 class VllmServer(Process):
     def __init__(self, name: str, model: Path, *, role: str | None, log_dir: Path, core: str, extra: dict | None = None,
                  port: int | None = None, failure_policy: str = "fail", env: dict | None = None,
-                 kv_config: dict | None = None):
-        """`kv_config` replaces the kvpush --kv-transfer-config (e.g. vLLM's own NIXL connectors)."""
+                 kv_config: dict | None = None, connector: dict | None = None, args: list[str] = ()):
+        """`kv_config` replaces the kvpush --kv-transfer-config (e.g. vLLM's own NIXL connectors);
+        `connector` names another kvpush entry class; `args` go to vLLM as they are."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "512",
                 "--max-num-seqs", "8", "--enforce-eager", "--seed", "0", "--served-model-name", "tiny",
-                ]
+                *args]
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         elif role is not None:
-            kv = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": failure_policy,
+            kv = {**(connector or CONNECTOR), "kv_role": role, "kv_load_failure_policy": failure_policy,
                   "kv_connector_extra_config": extra or {}}
             argv += ["--kv-transfer-config", json.dumps(kv)]
         base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONUNBUFFERED": "1"}
@@ -186,6 +188,11 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
             return e.code, {}
 
 
+def get_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
 def scratch_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
@@ -199,3 +206,31 @@ def sse_chunks(url: str, body: dict, timeout: float, headers: dict | None = None
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line[6:])
+
+
+def prompts() -> list[str]:
+    """The e2e prompts: 1 token .. several KV blocks of code-like text (~15 tokens per handler)."""
+    block = "def handler(request):\n    return request.json()\n"
+    return ["a", "import os", block * 3, block * 10, block * 22]
+
+
+def completion_text(url: str, body: dict) -> str:
+    """A completion's text from a server that must answer (a single instance's reference answer)."""
+    status, out = post_json(url + "/v1/completions", body)
+    assert status == 200, out
+    return out["choices"][0]["text"]
+
+
+def concurrently(fn, items: list) -> list:
+    """fn(item) for every item at once (several requests in flight), results in order."""
+    out: list = [None] * len(items)
+
+    def run(i, item):
+        out[i] = fn(item)
+
+    threads = [threading.Thread(target=run, args=(i, it)) for i, it in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

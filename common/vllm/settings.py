@@ -29,6 +29,17 @@ class ConnectorSettings:
     register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
     metrics_port: int = 0  # >0: each TP rank serves its kvpush Prometheus metrics on metrics_port + rank
     staging: dict = field(default_factory=dict)  # staged-transfer settings (EndpointConfig.staging_*)
+    # "output": vLLM finishes a prefill request only after the host has read the sampled token of the step
+    # that wrote its last KV, and that token comes from the same stream (and, with TP, after the last layer's
+    # all-reduce that every rank's KV writes precede): the KV is written when the worker hears of it.
+    # "event": record a device event when the worker hears of it instead (it also waits for every step the
+    # engine queued since, e.g. the next prefill under async scheduling).
+    kv_fence: Literal["output", "event"] = "output"
+    progress_thread: bool | None = None  # NIXL's progress thread (None: TransportConfig's choice per backend)
+    # Consumer, push: when the local prefix cache leaves at most this many prompt tokens uncomputed, the decode
+    # computes them itself and registers nothing (the producer is told and releases that KV once ready).
+    # 0: always receive.  256 = 16 blocks of 16, 2 of 128: a turn's new tokens in a multi-turn chat.
+    local_prefill_max_tokens: int = 256
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -65,6 +76,9 @@ class ConnectorSettings:
             ready_delay_s=float(extra.get("debug_ready_delay_s", 0.0)),
             register_delay_s=float(extra.get("debug_register_delay_s", 0.0)),
             metrics_port=int(extra.get("metrics_port", 0)),
+            kv_fence=_choice(extra, "kv_fence", ("output", "event")),
+            progress_thread=_flag(extra, "progress_thread"),
+            local_prefill_max_tokens=_non_negative(extra, "local_prefill_max_tokens", 256),
             staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
                                                 "staging_partitions") if k in extra},
         )
@@ -75,5 +89,30 @@ class ConnectorSettings:
     def endpoint_config(self, rank: int) -> EndpointConfig:
         return EndpointConfig(engine_id=self.engine_id, rank=rank, tp_size=self.tp_size,
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
-                              base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params)),
+                              base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params),
+                                                        progress_thread=self.progress_thread),
                               secret=self.secret, **self.timeouts, **self.staging)
+
+
+def _choice(extra: dict, key: str, allowed: tuple[str, ...]) -> str:
+    value = str(extra.get(key, allowed[0]))
+    if value not in allowed:
+        raise ValueError(f"kv_connector_extra_config.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _non_negative(extra: dict, key: str, default: int) -> int:
+    try:
+        value = int(extra.get(key, default))
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0:
+        raise ValueError(f"kv_connector_extra_config.{key} must be a whole number >= 0, got {extra.get(key)!r}")
+    return value
+
+
+def _flag(extra: dict, key: str) -> bool | None:
+    value = extra.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")

@@ -60,10 +60,13 @@ class WorkerSide:
         for op in meta.sends:
             self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
             ep.event("send_staged", TransferKey(op.transfer_id, op.attempt))
-            args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens)
+            args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens, self.settings.kv_fence == "output",
+                    op.consumer_tp)
             self._later(self.settings.ready_delay_s, ep.kv_ready, args)
         for op in meta.aborts:
             ep.abort(op.transfer_id, op.attempt, op.reason)
+        for op in meta.declines:
+            ep.decline(op.transfer_id, op.attempt, op.producer, op.reason)
 
     @staticmethod
     def _later(delay_s: float, fn, args) -> None:
@@ -81,8 +84,9 @@ class WorkerSide:
             req_id = self._req_of.pop(r.key, None)
             if req_id is None:
                 continue
+            self.endpoint.event("reported", r.key)  # the engine learns of it here (per-step latency)
             if isinstance(r, Release):
-                if r.outcome is not Outcome.DONE:
+                if r.outcome not in (Outcome.DONE, Outcome.UNNEEDED):
                     log.warning("kvpush send %s (%s) ended %s: %s", req_id, r.key, r.outcome.value, r.reason)
                 self._released.add(req_id)
             else:

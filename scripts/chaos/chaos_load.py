@@ -22,7 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from kvpush_common.testing.vllm_chaos import GEN, TIMEOUTS, Pair, env_with_events, prompts, rss_mib  # noqa: E402
+from kvpush_common.testing.vllm_chaos import GEN, TIMEOUTS, Pair, env_with_events, rss_mib  # noqa: E402
+from kvpush_common.testing.vllm_cluster import prompts  # noqa: E402
 from kvpush_common.testing.vllm_cluster import scratch_dir, sse_chunks  # noqa: E402
 
 BOUND_S = TIMEOUTS["transfer_timeout_s"] + TIMEOUTS["reg_ttl_s"] + TIMEOUTS["write_timeout_s"] + 5

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fuzz_targets as ft
-from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, BadSignature, Codec, Heartbeat, KeyRef, MalformedMessage,
+from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, PROTOCOL_VERSION, BadSignature, Codec, Heartbeat, KeyRef, MalformedMessage,
                                 MessageTooLarge, Register, UnsupportedVersion, WriteDone)
 
 EXAMPLES = int(os.environ.get("KVPUSH_FUZZ_EXAMPLES", "300"))
@@ -135,14 +135,14 @@ def test_forged_message_is_refused():
 
 def test_version_mismatch_and_oversized_lists_are_refused():
     frame = bytearray(VALID[0])
-    frame[3] = 2
-    with pytest.raises(UnsupportedVersion, match="v2"):
+    frame[3] = PROTOCOL_VERSION + 1
+    with pytest.raises(UnsupportedVersion, match=f"v{PROTOCOL_VERSION + 1}"):
         ft.NOTIF.decode(bytes(frame))
     body = msgspec.msgpack.encode({"t": "reg", "transfer_id": "t", "attempt": 0, "consumer_engine": "D",
                                    "consumer_rank": 0, "consumer_tp": 1, "block_ids": list(range(MAX_BLOCK_IDS + 1)),
                                    "first_token": 0, "num_tokens": 1, "ttl_ms": 1})
     with pytest.raises((MalformedMessage, MessageTooLarge)):
-        ft.NOTIF.decode(b"KVP\x01\x00" + body)
+        ft.NOTIF.decode(b"KVP" + bytes([PROTOCOL_VERSION, 0]) + body)
 
 
 def test_mode_and_version_mismatch_at_handshake_are_refused_with_reasons():

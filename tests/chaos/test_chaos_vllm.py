@@ -13,8 +13,8 @@ import uuid
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.vllm_chaos import GEN, Pair, TIMEOUTS, complete, env_with_events, prompts, text_of
-from kvpush_common.testing.vllm_cluster import post_json, scratch_dir
+from kvpush_common.testing.vllm_chaos import GEN, Pair, TIMEOUTS, complete, env_with_events, text_of
+from kvpush_common.testing.vllm_cluster import post_json, prompts, scratch_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # `chaos` comes from the folder
 

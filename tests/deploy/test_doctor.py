@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpush_common.testing import libfabric
+
 from kvpush_common.ops import cli, deploy
 from kvpush_cuda.target import cuda_checks
 from kvpush_neuron.target import neuron_checks
@@ -122,6 +124,47 @@ def test_neuron_placeholder_wheel_is_named(monkeypatch):
     assert not c.ok and "placeholder" in c.problems[0] and "pip.repos.neuron.amazonaws.com" in c.problems[0]
 
 
+def test_libfabric_providers_and_hmem_are_named():
+    from kvpush_common.transport.fabric_info import FabricInfo
+
+    def check(info, env=None):
+        return deploy.check_fabric(env or {}, "Neuron HBM", probe=lambda env: info)
+
+    good = check(FabricInfo((2, 7), {"efa": True, "shm": True, "tcp;ofi_rxm": False}))
+    assert good.ok and good.detail == "libfabric 2.7; providers: efa (FI_HMEM), shm (FI_HMEM), tcp;ofi_rxm"
+    no_hmem = check(FabricInfo((2, 7), {"efa": False}))
+    assert not no_hmem.ok and "offers no FI_HMEM: Neuron HBM cannot register" in no_hmem.problems[0]
+    tcp_only = check(FabricInfo((2, 6), {"tcp": False}), {"FI_PROVIDER": "tcp"})
+    assert not tcp_only.ok and "no efa provider (FI_PROVIDER=tcp limits the list)" in tcp_only.problems[0]
+    assert "LD_LIBRARY_PATH" in check(None).problems[0] and check("probe crashed").problems == ("probe crashed",)
+
+
+@pytest.mark.skipif(libfabric.find_libfabric() is None, reason="system library absent: no libfabric with FABRIC_1.10")
+def test_libfabric_probe_reads_the_real_library(tmp_path):
+    """fi_getinfo through ctypes on the vendored build: its version and the providers a host without EFA has."""
+    from kvpush_common.transport.fabric_info import probe_subprocess
+
+    (tmp_path / "libfabric.so.1").symlink_to(libfabric.find_libfabric())
+    info = probe_subprocess({**os.environ, "LD_LIBRARY_PATH": str(tmp_path)})
+    assert info.version >= (1, 10) and "efa" not in info.providers and "shm" in info.providers, info
+    only_shm = probe_subprocess({**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "FI_PROVIDER": "shm"})
+    assert set(only_shm.providers) == {"shm"}
+
+
+def test_the_plugin_and_its_vllm_are_checked_as_a_pair():
+    from kvpush_neuron.target import plugin_vllm_check
+
+    good = plugin_vllm_check(("vllm-neuron", "0.29.0.1.2.0+a1b2c3"), ("vllm", "0.29.0"))
+    assert good.ok and "Neuron SDK 2.33" in good.detail
+    skew = plugin_vllm_check(("vllm-neuron", "0.29.0.1.2.0"), ("vllm", "0.32.0"))
+    assert not skew.ok and not skew.warn and "built for vLLM 0.29.0 but vllm 0.32.0" in skew.problems[0]
+    old = plugin_vllm_check(("vllm-neuron", "0.24.0.1.1.0"), ("vllm", "0.24.0"))
+    assert not old.ok and old.warn and "0.29.0.1.2.0" in old.problems[0]  # runs, but not the SDK 2.33 plugin
+    ancient = plugin_vllm_check(("vllm-neuron", "0.1.0"), ("vllm", "0.24.0"))
+    assert not ancient.ok and not ancient.warn and "predates" in ancient.problems[0]
+    assert plugin_vllm_check(None, ("vllm", "0.29.0")).warn
+
+
 def test_cuda_checks_on_a_faked_p5en_host(capsys, tmp_path, no_plugin_load):
     plan = plan_json(capsys, "cuda", "--role", "prefill", "--model", "m")
     env = deploy.LaunchPlan.from_dict(plan).environment({})
@@ -165,3 +208,15 @@ def test_rendering_and_exit_status_follow_failures(capsys):
     assert "[warn] b: meh" in text and "- x: do y" in text and text.rstrip().endswith("READY")
     report = json.loads(deploy.checks_json("neuron", checks + [deploy.Check("c", False, "bad", ("z",))]))
     assert report["ok"] is False and [c["status"] for c in report["checks"]] == ["ok", "warn", "FAIL"]
+
+
+def test_each_library_the_libfabric_plugin_links_gets_its_own_fix():
+    """kvpush doctor names the fix for whichever library NIXL's LIBFABRIC plugin cannot find (measured in
+    the libfabric test tier): libfabric with FABRIC_1.10, libcuda (none on Trainium), libcudart, hwloc."""
+    fix = deploy.plugin_load_fix
+    assert "FABRIC_1.10" in fix("libfabric.so.1: cannot open shared object file")
+    assert "FABRIC_1.10" in fix("version `FABRIC_1.10' not found (required by libplugin_LIBFABRIC.so)")
+    assert "libcuda_standin.c" in fix("libcuda.so.1: cannot open shared object file")
+    assert "nvidia-cuda-runtime" in fix("libcudart.so.13: cannot open shared object file")
+    assert fix("libhwloc.so.15: cannot open shared object file") == "apt-get install libhwloc15"
+    assert fix("libweird.so: nope") == "install the libraries it names"

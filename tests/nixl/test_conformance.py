@@ -8,14 +8,17 @@ it); the scenarios do not change.
 from __future__ import annotations
 
 import base64
+import os
 import time
 
 import numpy as np
 import pytest
 
 from kvpush_common.testing.procs import PeerProcess
+from kvpush_common.testing.vllm_cluster import free_port
 
 BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu), "neuron-sim"]
+NIXL_BACKEND = os.environ.get("KVPUSH_TEST_NIXL_BACKEND", "UCX")  # tests/libfabric sets LIBFABRIC
 POISON = 0xAB
 GEO = dict(num_layers=2, head_dim=8, dtype="bfloat16", dtype_size=2)
 
@@ -42,8 +45,9 @@ def backend_kind(request):
 class Cluster:
     """Producer ranks and consumer ranks of one scenario, each its own process."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, consumer_kind: str | None = None):
         self.kind = kind
+        self.consumer_kind = consumer_kind or kind  # a mixed pair: e.g. Neuron layout into a host or CUDA one
         self.procs: list[PeerProcess] = []
         self.producers: list[PeerProcess] = []
         self.consumers: list[PeerProcess] = []
@@ -54,7 +58,7 @@ class Cluster:
         """CUDA: one GPU per rank when there are enough (producer ranks first, then consumer ranks: the
         four-GPU runs of heterogeneous TP); else producers on GPU 0 and consumers on GPU 1 when there
         are two (VRAM to VRAM across GPUs)."""
-        if self.kind != "cuda":
+        if (self.consumer_kind if consumer else self.kind) != "cuda":
             return {}
         import torch
 
@@ -71,6 +75,9 @@ class Cluster:
         from kvpush_common.protocol.topology import local_heads
 
         self.p_tp = p_tp
+        if NIXL_BACKEND != "UCX":  # the libfabric tier runs this module again with LIBFABRIC
+            p_cfg = {"transport": {"backend": NIXL_BACKEND}, **(p_cfg or {})}
+            d_cfg = {"transport": {"backend": NIXL_BACKEND}, **(d_cfg or {})}
         procs = []
         for r in range(p_tp):
             proc = self._spawn(f"P{r}")
@@ -80,26 +87,30 @@ class Cluster:
             proc = self._spawn(f"D{r}")
             self.consumers.append(proc)
             procs.append(proc)
-        # Producer ranks need consecutive side-channel ports: take rank 0's free port as the base.
+        # Producer ranks serve consecutive side-channel ports: one block below the ephemeral range, chosen
+        # before any rank binds (rank 0's bind(0) port as the base lost base+1 to an outgoing connection once).
+        self.p_port = free_port(span=p_tp) if p_tp > 1 else 0
         for r, proc in enumerate(self.producers):
             first, count = local_heads(total_heads, p_tp, r)
             cfg = dict(engine_id="P", rank=r, tp_size=p_tp, total_kv_heads=total_heads, **(p_cfg or {}))
-            if r > 0:
+            if self.p_port:
                 cfg["base_port"] = self.p_port
             reply = proc.call("start", role="producer", cfg=cfg, faults=p_faults,
                               backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=p_block,
                                            num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO,
                                            **self._device(False, r, p_tp, d_tp)))
+            assert reply["nixl_backend"] == NIXL_BACKEND  # the agent really runs the backend under test
             if r == 0:
                 self.p_port = reply["port"]  # rank r serves on base_port + r
             proc.call("fill", seed=100 + r)
         for r, proc in enumerate(self.consumers):
             first, count = local_heads(total_heads, d_tp, r)
             cfg = dict(engine_id="D", rank=r, tp_size=d_tp, total_kv_heads=total_heads, **(d_cfg or {}))
-            proc.call("start", role="consumer", cfg=cfg, faults=d_faults,
-                      backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=d_block,
+            reply = proc.call("start", role="consumer", cfg=cfg, faults=d_faults,
+                      backend=dict(kind=self.consumer_kind, num_heads=count, head_offset=first, block_size=d_block,
                                    num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO,
                                    **self._device(True, r, p_tp, d_tp)))
+            assert reply["nixl_backend"] == NIXL_BACKEND
             proc.call("poison", byte=POISON)
         return self
 
@@ -152,6 +163,34 @@ def cluster(backend_kind):
 
 PATHS = {"prepped": {}, "merged": {"prepped_lists": False}}
 
+MIXED = [("neuron-sim", "host"), pytest.param("neuron-sim", "cuda", marks=pytest.mark.gpu), ("host", "neuron-sim"),
+         pytest.param("cuda", "neuron-sim", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("p_kind,d_kind", MIXED, ids=lambda k: k)
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_mixed_device_pair_moves_the_same_bytes(p_kind, d_kind, p_tp, d_tp):
+    """A Neuron-layout side (the plugin's (2, blocks, heads, 32, dim) planes, block size 32) paired with a
+    host or CUDA side in its own layout (block size 16, NHD token-major, blocks first), across TP splits:
+    every consumer head's bytes equal the producer's, nothing outside the destination blocks is touched."""
+    cl = Cluster(p_kind, d_kind)
+    try:
+        p_block, d_block = (32, 16) if p_kind == "neuron-sim" else (16, 32)
+        cl.start(total_heads=2, p_tp=p_tp, d_tp=d_tp, p_block=p_block, d_block=d_block, p_order="NHD",
+                 d_order="NHD", p_blocks_first=True, d_blocks_first=True)
+        n = 150
+        p_blocks = list(range(31, 31 - (-(-n // p_block)), -1))
+        d_blocks = [7, 3, 11, 0, 30, 18, 22, 25, 12, 9][: -(-n // d_block)]
+        cl.expect("mix", 0, d_blocks, n)
+        cl.ready("mix", 0, p_blocks, n)
+        for d in cl.consumers:
+            assert wait(d, 1)[0]["ok"] is True
+        assert_copied(cl, p_blocks, d_blocks, n)
+        for d in cl.consumers:
+            assert set(dirty(d)) == set(d_blocks)
+    finally:
+        cl.close()
+
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("order", ["registration_first", "ready_first"])
@@ -190,6 +229,36 @@ def test_two_producer_ranks_into_one_consumer(cluster, path):
     for p in cl.producers:
         assert wait(p, 1)[0]["outcome"] == "done"
     assert_copied(cl, p_blocks, d_blocks, n)
+
+
+@pytest.mark.parametrize("heads,p_tp,d_tp", [(2, 4, 2), (2, 4, 4), (1, 2, 1), (2, 1, 4)],
+                         ids=["P-replicates-D-fewer", "both-replicate", "one-head", "D-replicates"])
+def test_head_replication_in_every_direction(cluster, heads, p_tp, d_tp):
+    """Prefill or decode TP above the model's KV heads (replicated heads): every consumer head comes from a
+    producer rank holding it, and a producer rank no consumer rank reads from (told the decode TP, as the
+    router does) releases its KV at once instead of at the lease end (issue 16 item 1)."""
+    from kvpush_common.protocol.topology import routes_from
+
+    cl = cluster.start(total_heads=heads, p_tp=p_tp, d_tp=d_tp)
+    p_blocks, d_blocks, n = [3, 4, 9], [20, 7, 1], 40
+    cl.expect("rep", 0, d_blocks, n)
+    t0 = time.monotonic()
+    for p in cl.producers:
+        p.call("ready", tid="rep", attempt=0, blocks=p_blocks, num_tokens=n, consumer_tp=d_tp)
+    for d in cl.consumers:
+        assert wait(d, 1)[0]["ok"] is True
+    for r, p in enumerate(cl.producers):
+        [res] = wait(p, 1)
+        assert res["outcome"] == "done", (r, res)
+    assert time.monotonic() - t0 < 10.0  # no rank waited for its lease (30 s)
+    for r, p in enumerate(cl.producers):
+        src = logical(p, p_blocks, n)
+        for route in routes_from(heads, p_tp, d_tp, r):
+            dst = logical(cl.consumers[route.dst_rank], d_blocks, n)
+            np.testing.assert_array_equal(dst[:, :, route.dst_head_start:route.dst_head_start + route.num_heads],
+                                          src[:, :, route.src_head_start:route.src_head_start + route.num_heads])
+    unread = [r for r in range(p_tp) if not routes_from(heads, p_tp, d_tp, r)]
+    assert bool(unread) == (p_tp > d_tp), unread  # the cases that leave ranks unread have them
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -337,6 +406,41 @@ def test_ready_kv_released_when_lease_expires(cluster):
     cl.ready("orphan", 0, [1, 2], 20)
     res = wait(cl.producers[0], 1, seconds=10)
     assert res[0]["outcome"] == "expired"
+
+
+@pytest.mark.parametrize("order", ["declined_first", "ready_first"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1)])
+def test_unneeded_kv_is_released_at_once_not_at_the_lease_end(cluster, order, p_tp, d_tp):
+    """The decode computes a short tail itself (issue 14 item 1): every consumer rank tells the producer
+    ranks it reads from; each releases its KV as `unneeded` as soon as it is ready (lease 30 s here), a
+    later attempt of the same transfer still pairs normally, and nothing lands in the consumer."""
+    cl = cluster.start(total_heads=2, p_tp=p_tp, d_tp=d_tp, p_cfg=dict(lease_s=30.0))
+
+    def decline():
+        for d in cl.consumers:
+            d.call("decline", tid="turn2", attempt=0, producer=cl.producer_ref())
+
+    t0 = time.monotonic()
+    if order == "declined_first":
+        decline()
+        time.sleep(0.5)  # the Unneeded messages are in before the KV is ready
+        cl.ready("turn2", 0, [1, 2], 20)
+    else:
+        cl.ready("turn2", 0, [1, 2], 20)
+        time.sleep(0.3)
+        decline()
+    for p in cl.producers:
+        res = wait(p, 1)
+        assert res[0]["outcome"] == "unneeded" and "tail computed here" in res[0]["reason"], res
+    assert time.monotonic() - t0 < 10  # not the 30 s lease
+    for d in cl.consumers:
+        assert d.call("stats")["counters"]["kvpush_requests_declined_total"] == 1
+        assert wait(d, 1, seconds=0.2) == []  # nothing to report to the engine: it registered nothing
+    assert all(dirty(d) == [] for d in cl.consumers)
+    cl.expect("turn2", 1, [3, 4], 20)  # a retry of the transfer (a new attempt) is served as usual
+    cl.ready("turn2", 1, [1, 2], 20)
+    for d in cl.consumers:
+        assert wait(d, 1)[0]["ok"] is True
 
 
 def test_lost_completion_notification_fails_cleanly(cluster):

@@ -36,6 +36,30 @@ def test_point_stats_count_exact_failed_and_quantiles():
     assert s["ttft_p50_ms"] in (200.0, 300.0) and s["ttft_max_ms"] == 400.0 and s["tpot_p50_ms"] == 10.0
 
 
+def test_requests_cut_by_the_point_budget_are_neither_failures_nor_inexact():
+    rows = [row(), row(), row("cut", None, None, "")]
+    s = bench.point_stats(rows, ["a"] * 3)
+    assert (s["ok"], s["failed"], s["hung"], s["cut"], s["exact"]) == (2, 0, 0, 1, 2)
+    pt = {"mode": "nixl-pull", "input_len": 1024, "rate": 2, **s}
+    summary = bench.summarize({"meta": {}, "points": [pt], "skipped": [["nixl-pull", 1024, 6]]})
+    assert summary["exact_fraction"]["nixl-pull"] == 1.0 and summary["failed_or_hung"]["nixl-pull"] == 0
+    assert summary["answered_within_point_budget"]["nixl-pull"] == round(2 / 3, 4)
+    assert summary["skipped_points"] == {"nixl-pull": ["1024x6"]}
+
+
+def test_stage_medians_join_router_timelines_with_endpoint_events():
+    timelines = [{"transfer_id": "t1", "arrival_unix": 100.0, "prefill_done": 50.0, "first_byte": 90.0},
+                 {"transfer_id": "t2", "arrival_unix": 101.0, "prefill_done": 70.0, "first_byte": 110.0},
+                 {"transfer_id": "t3", "arrival_unix": 200.0, "prefill_done": 1.0, "first_byte": 2.0}]
+    events = [{"tid": "t1", "role": "producer", "ev": "posted", "t": 100.060},
+              {"tid": "t1", "role": "producer", "ev": "posted", "t": 100.090},  # a second rank: first one counts
+              {"tid": "t2", "role": "producer", "ev": "posted", "t": 101.080},
+              {"tid": "t2", "role": "consumer", "ev": "received", "t": 101.100}]
+    med = bench.stage_medians(timelines, events, {"4096x2": (99.0, 150.0)})["4096x2"]
+    assert med["requests"] == 2 and med["P answered"] == 60.0 and med["first token"] == 100.0
+    assert med["P posted"] == 70.0 and med["D KV usable"] == 100.0 and med["P WRITE done"] is None
+
+
 def test_summary_ratios_pair_points_of_the_same_shape():
     def pt(mode, n, rate, ttft, tpot):
         return {"mode": mode, "input_len": n, "rate": rate, "requests": 2, "ok": 2, "exact": 2, "failed": 0, "hung": 0,

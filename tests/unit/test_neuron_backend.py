@@ -339,3 +339,38 @@ def test_cuda_layout_prefill_to_neuron_decode(src_tp, dst_tp):
     dst_all = np.concatenate([logical_view(b, d.layout(), d.slab_base, [6, 1, 3, 7], n)
                               for d, b in zip(dsts, bufs)], 2)
     assert np.array_equal(src_all, dst_all)  # every head of every token arrived, whatever the TP split
+
+
+def test_simulated_plugin_mirrors_vllm_cpu_blocks_into_the_plugin_planes_and_back():
+    """vLLM's CPU cache keeps, per block and head, the K rows then the V rows ([blocks, heads, 32, 2*dim]
+    read as [blocks, heads, 2, 32, dim]); the plugin's tensor is [2, blocks, heads, 32, dim]."""
+    from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector, _runtime
+
+    engine = {f"model.layers.{i}.self_attn.attn": torch.randn(B, H, BS, 2 * D).to(torch.bfloat16) for i in range(L)}
+    conn = object.__new__(SimulatedNeuronPluginConnector)
+    conn._engine_kv = engine
+    conn._plugin_kv = plugin_kv_caches(_runtime(), num_layers=L, num_heads=H, head_dim=D, num_blocks=B, block_size=BS)
+    conn._to_plugin((4, 1))
+    for name, plugin in zip(engine, conn._plugin_kv.values()):
+        kv = engine[name].view(B, H, 2, BS, D)
+        for b in (4, 1):
+            assert torch.equal(plugin[0, b], kv[b, :, 0]) and torch.equal(plugin[1, b], kv[b, :, 1])
+        assert not plugin[:, [0, 2, 3, 5]].any()  # only the named blocks
+    before = {n: t.clone() for n, t in engine.items()}
+    for t in engine.values():
+        t.zero_()
+    conn._from_plugin((1,))
+    for name, t in engine.items():
+        assert torch.equal(t[1], before[name][1]) and not t[[0, 2, 3, 4, 5]].any()
+
+
+def test_a_peer_of_another_kv_geometry_is_refused_naming_the_fields():
+    from kvpush_common.protocol.layout import geometry_difference
+    from kvpush_common.vllm.host_cache import describe_cpu_caches
+
+    cpu = describe_cpu_caches({f"l.{i}": torch.zeros(B, H, BS, 2 * D, dtype=torch.bfloat16) for i in range(L)}, 0)[0]
+    rt = ready_sim_runtime()
+    plugin = NeuronKVCache(plugin_kv_caches(rt, num_layers=L, num_heads=H, head_dim=D, num_blocks=B, block_size=BS), 0,
+                           runtime=rt, block_size=BS, num_heads=H, head_size=D).layout()
+    assert geometry_difference(cpu, plugin) == f"head_dim {2 * D} vs {D}, kv_planes 1 vs 2, token_rows False vs True"
+    assert geometry_difference(plugin, plugin) is None

@@ -210,6 +210,49 @@ def test_revoke_before_registration_cancels_ready():
     assert kinds(rv.on_register(reg(), 1.1)) == ["SendFailed"]
 
 
+def test_unneeded_before_ready_releases_at_readiness():
+    rv = make()
+    assert rv.on_unneeded(K, D0, "tail computed here", 0.0) == []
+    assert rv.on_ready(K, READY, 1.0) == [Release(K, Outcome.UNNEEDED, "unneeded by consumer D: tail computed here")]
+    assert len(rv) == 0 and rv._unneeded == {}
+    assert kinds(rv.on_register(reg(), 1.1)) == ["SendFailed"]  # a late registration of it is stale
+    assert kinds(rv.on_register(reg(attempt=1), 1.2)) == []  # the next attempt pairs as usual
+
+
+def test_unneeded_after_ready_releases_at_once_and_fails_other_pending():
+    rv = make()
+    rv.on_ready(K, READY, 0.0)
+    assert rv.on_unneeded(K, D0, "", 1.0) == [Release(K, Outcome.UNNEEDED, "unneeded by consumer D")]
+    rv = make()
+    rv.on_register(reg(rank=1, tp=2), 0.0)  # an odd consumer: one rank registered, the engine declined
+    out = rv.on_unneeded(K, D0, "", 1.0)
+    assert [(a.dest, a.code) for a in only(out, SendFailed)] == [(D1, "unneeded")] and len(rv) == 0
+
+
+def test_unneeded_waits_for_a_write_in_flight():
+    rv = make()
+    rv.on_ready(K, READY, 0.0)
+    rv.on_register(reg(rank=0, tp=2), 0.0)
+    assert rv.on_unneeded(K, D1, "", 1.0) == []
+    assert rv.on_write_result(K, D0, True, 2.0) == [Release(K, Outcome.UNNEEDED, "unneeded by consumer D")]
+
+
+def test_unneeded_from_another_engine_changes_nothing():
+    rv = make()
+    rv.on_ready(K, READY, 0.0)
+    rv.on_register(reg(), 0.0)
+    assert rv.on_unneeded(K, ("E", 0), "", 1.0) == [] and rv.entry_state(K)["writing"] == [D0]
+
+
+def test_unneeded_memory_is_bounded_and_pruned_with_the_floor():
+    rv = Rendezvous(expected_dests=expected_dests, lease_s=LEASE, tombstone_s=5.0, max_entries=2)
+    for i in range(4):
+        rv.on_unneeded(TransferKey(f"t{i}", 0), D0, "", 0.0)
+    assert list(rv._unneeded) == [TransferKey("t2", 0), TransferKey("t3", 0)]
+    rv.tick(10.0)
+    assert rv._unneeded == {}
+
+
 def test_revoke_of_pending_registration():
     rv = make()
     rv.on_register(reg(), 0.0)
@@ -302,6 +345,26 @@ def test_heartbeat_never_shortens():
     rv.on_register(reg(ttl_ms=4000), 0.0)
     rv.on_heartbeat([K], -10.0)
     assert rv.tick(3.9) == []
+
+
+def test_registration_fetched_after_a_stall_counts_from_before_it():
+    """The producer last looked at 0.0 and fetched at 7.0 (paused, or a transport call blocked): a
+    registration with a 5 s ttl may be 7 s old and is refused; one with a 10 s ttl lives until 10.0."""
+    rv = make()
+    out = rv.on_register(reg(ttl_ms=5000), 7.0, arrived_after=0.0)
+    assert [(type(a).__name__, a.code) for a in out] == [("SendFailed", "expired")]
+    assert len(rv) == 0  # no entry, key not bound: a fresh registration is still taken
+    rv.on_register(reg(tid="u", ttl_ms=10_000), 7.0, arrived_after=0.0)
+    assert rv.tick(9.9) == []
+    assert [(a.key.transfer_id, a.code) for a in rv.tick(10.0)] == [("u", "expired")]
+
+
+def test_heartbeat_fetched_after_a_stall_renews_from_before_it():
+    rv = make()
+    rv.on_ready(K, READY, 0.0)
+    rv.on_heartbeat([K], 20.0, arrived_after=0.5)  # renews to 0.5 + LEASE, not 20 + LEASE
+    assert rv.tick(LEASE + 0.4) == []
+    assert rv.tick(LEASE + 0.5) == [Release(K, Outcome.EXPIRED, "producer lease expired")]
 
 
 def test_lease_expiry_releases():
@@ -492,6 +555,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.write_engine: dict[TransferKey, str] = {}
         self.revoked: set[tuple[TransferKey, tuple]] = set()
         self.aborted: set[TransferKey] = set()
+        self.unneeded_by: dict[TransferKey, str] = {}  # key -> the first consumer engine that declined it
         self.ready_given: dict[TransferKey, ReadyKV] = {}
         self.releases: Counter = Counter()
         self.max_attempt: dict[str, int] = {}
@@ -506,6 +570,7 @@ class RendezvousMachine(RuleBasedStateMachine):
                 assert kd not in self.started, f"second StartWrite for {kd}"
                 assert kd not in self.revoked, f"StartWrite after revoke {kd}"
                 assert a.key not in self.aborted, f"StartWrite after local abort {a.key}"
+                assert self.unneeded_by.get(a.key) != a.dest[0], f"StartWrite after its consumer declined {a.key}"
                 assert self.releases[a.key] == 0, f"StartWrite after Release {a.key}"
                 assert a.key.attempt >= self.max_attempt.get(a.key.transfer_id, -1), f"stale StartWrite {a.key}"
                 assert (a.reg.transfer_id, a.reg.attempt) == a.key
@@ -579,6 +644,11 @@ class RendezvousMachine(RuleBasedStateMachine):
     def revoke(self, key, dest):
         self.revoked.add((key, dest))
         self.apply(self.rv.on_revoke(key, dest, self.now))
+
+    @rule(key=keys_st, dest=st.sampled_from(DESTS))
+    def unneeded(self, key, dest):
+        self.unneeded_by.setdefault(key, dest[0])
+        self.apply(self.rv.on_unneeded(key, dest, "tail computed here", self.now))
 
     @rule(keys=st.lists(keys_st, max_size=3))
     def heartbeat(self, keys):

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import ClientTimeout, web
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvpush_common.router.prefix_index import prompt_hashes
 from kvpush_common.router.app import (
     NixlProducer, ROUTER_KEY, RouterConfig, StartupError, build_app, decode_body, nixl_prefill_params, nixl_push_decode_params,
     prefill_body, push_decode_params, push_prefill_params,
@@ -30,8 +31,8 @@ ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, 
 def run_async(fn):
     """Each test owns its event loop and can never run past 20 s."""
     @functools.wraps(fn)
-    def wrapper():
-        asyncio.run(asyncio.wait_for(fn(), 20))
+    def wrapper(*args, **kwargs):
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 20))
     return wrapper
 
 
@@ -55,18 +56,23 @@ class FakeVllm:
     role: str
     done: set = field(default_factory=set)  # (transfer_id, attempt) that some P finished; shared P/D
     delay: float = 0.0
-    actions: list[str] = field(default_factory=list)  # per leg, in order: ok, 500, 400, hang, drop, stall
+    actions: list[str] = field(default_factory=list)  # per leg, in order: ok, 500, 400, hang, drop, stall, local
     identity: dict | None = field(default_factory=lambda: dict(IDENTITY))
     reply_params: dict | None = None
     healthy: bool = True
+    metrics: str = ""  # its /metrics page (vLLM gauges), when set
     legs: list[Leg] = field(default_factory=list)
     probes: list[dict] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
         app.add_routes([web.post("/v1/completions", self.generate), web.post("/v1/chat/completions", self.generate),
-                        web.get("/health", self.health), web.get("/v1/models", self.models)])
+                        web.get("/health", self.health), web.get("/v1/models", self.models),
+                        web.get("/metrics", self.prometheus)])
         return app
+
+    async def prometheus(self, request):
+        return web.Response(text=self.metrics, status=200 if self.metrics else 404)
 
     async def health(self, request):
         return web.Response(status=200 if self.healthy else 500)
@@ -89,6 +95,7 @@ class FakeVllm:
 
     async def _answer(self, request, leg: Leg, action: str):
         body = leg.body
+        # "local": a decode that computes the prompt itself (short tail after its own prefix-cache hit)
         if self.role == "decode" and action in ("ok", "stall") and not await self._kv_arrived(request, leg):
             return web.Response(status=499)
         await asyncio.sleep(self.delay)
@@ -149,25 +156,34 @@ class FakeVllm:
 
 
 @contextlib.asynccontextmanager
-async def router_stack(mode: str = "push", prefills: int = 1, **config):
-    """Fake P(s) and D, then the router in front of them; yields (client, [P...], D)."""
+async def cluster_stack(mode: str = "push", prefills: int = 1, decodes: int = 1, **config):
+    """Fake Ps and Ds, then the router in front of them; yields (client, [P...], [D...]).  `prefill` /
+    `decode` overrides apply to the first of each."""
     done: set = set()
     fakes_p = [FakeVllm("prefill", done) for _ in range(prefills)]
-    fake_d = FakeVllm("decode", done)
-    for fake, overrides in [(p, config.pop("prefill", {})) for p in fakes_p[:1]] + [(fake_d, config.pop("decode", {}))]:
+    fakes_d = [FakeVllm("decode", done) for _ in range(decodes)]
+    for fake, overrides in [(fakes_p[0], config.pop("prefill", {})), (fakes_d[0], config.pop("decode", {}))]:
         for key, value in overrides.items():
             setattr(fake, key, value)
-    servers = [TestServer(f.app(), host="127.0.0.1") for f in fakes_p + [fake_d]]
+    servers = [TestServer(f.app(), host="127.0.0.1") for f in fakes_p + fakes_d]
     async with contextlib.AsyncExitStack() as stack:
         for server in servers:
             await stack.enter_async_context(server)
         urls = [str(s.make_url("")) for s in servers]
         config.setdefault("warm_up", False)  # the fakes count legs; warm-up has its own test
-        cfg = RouterConfig(mode=mode, prefill_urls=tuple(urls[:-1]), decode_urls=(urls[-1],), **config)
+        cfg = RouterConfig(mode=mode, prefill_urls=tuple(urls[:prefills]), decode_urls=tuple(urls[prefills:]),
+                           **config)
         client = TestClient(TestServer(build_app(cfg), host="127.0.0.1"))
         stack.push_async_callback(client.close)  # also when the router fails to start
         await client.start_server()
-        yield client, fakes_p, fake_d
+        yield client, fakes_p, fakes_d
+
+
+@contextlib.asynccontextmanager
+async def router_stack(mode: str = "push", prefills: int = 1, **config):
+    """Fake P(s) and one D, then the router in front of them; yields (client, [P...], D)."""
+    async with cluster_stack(mode, prefills, 1, **config) as (client, fakes_p, fakes_d):
+        yield client, fakes_p, fakes_d[0]
 
 
 async def wait_for(predicate, limit: float = 2.0) -> None:
@@ -226,12 +242,14 @@ async def test_push_dispatches_both_legs_at_once():
         tid = pl.params["transfer_id"]
         assert len(tid) == 32 and int(tid, 16) >= 0
         assert pl.body == {**body, "max_tokens": 1, "stream": False,
-                           "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid, "attempt": 0}}
+                           "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid, "attempt": 0,
+                                                  "consumer_tp": IDENTITY["tp_size"]}}  # D's, from its probe
         assert dl.body == {**body, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "attempt": 0,
                                                           "producer": IDENTITY}}
         assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity"} and p.probes[0]["model"] == "tiny-prefill"
         stamps = json.loads(resp.headers["x-kvpush-timeline"])
-        assert stamps["dispatched"] <= stamps["prefill_done"] <= stamps["first_byte"] <= stamps["done"]
+        # D's first byte is read as it comes, so it may be stamped just before P's answer is looked at
+        assert stamps["dispatched"] <= min(stamps["prefill_done"], stamps["first_byte"]) <= stamps["done"]
         assert stamps["prefill_done"] >= 300
         [timeline] = await (await client.get("/timelines")).json()
         assert timeline["transfer_id"] == tid and timeline["attempt"] == 0 and timeline["mode"] == "push"
@@ -267,6 +285,26 @@ async def test_prefill_failure_retries_with_next_attempt_and_drops_first_decode(
         metrics = await (await client.get("/metrics")).text()
         assert 'kvpush_router_retries_total{mode="push"} 1.0' in metrics
         assert 'kvpush_router_failures_total{cause="prefill_status",mode="push"} 1.0' in metrics
+
+
+@run_async
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_that_answers_first_cancels_the_prefill_leg(stream):
+    """Issue 14 item 2: D computed the prompt from its own prefix cache and answered while P still runs: the
+    router relays D at once, closes P's leg (vLLM aborts it and frees its blocks) and says so in the timeline."""
+    async with router_stack(prefill={"actions": ["hang"]}, decode={"actions": ["local"]}) as (client, [p], d):
+        t0 = time.monotonic()
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "turn 2", "max_tokens": 5,
+                                                          "stream": stream})
+        assert resp.status == 200
+        assert (await resp.read() == b"".join(SSE)) if stream else (await resp.json() == ANSWER)
+        assert time.monotonic() - t0 < 5
+        await wait_for(lambda: p.legs[0].disconnected)
+        [timeline] = await (await client.get("/timelines")).json()
+        assert timeline["outcome"] == "ok" and timeline["first_byte"] <= timeline["prefill_cancelled"]
+        assert "prefill_done" not in timeline
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_prefill_cancelled_total{mode="push"} 1.0' in metrics
 
 
 @run_async
@@ -354,6 +392,142 @@ async def test_prefills_are_used_round_robin():
             assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 200
         assert [len(p.legs) for p in ps] == [2, 2]
         assert d.legs[0].params["producer"] == d.legs[1].params["producer"] == IDENTITY
+
+
+# ---- routing across several instances (issue 14 item 3) --------------------------------------------
+
+def conversation(i: int, turns: int) -> str:
+    """A chat history as one completion prompt: turn n+1 extends turn n (each turn > 2 chunks)."""
+    return "".join(f"[conversation {i}, turn {t}] " + f"line {t} of {i}; " * 60 for t in range(turns))
+
+
+@run_async
+async def test_kv_aware_sends_each_follow_up_to_the_decode_holding_its_history():
+    async with cluster_stack(prefills=2, decodes=2) as (client, ps, ds):
+        for i in range(4):  # first turns: no history anywhere, spread by rotation
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 1)})).status == 200
+        first = {leg.body["prompt"]: k for k, d in enumerate(ds) for leg in d.legs}
+        assert sorted(len(d.legs) for d in ds) == [2, 2]
+        for i in (2, 0, 3, 1):
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 2)})).status == 200
+        for k, d in enumerate(ds):
+            for leg in d.legs[2:]:
+                history = leg.body["prompt"][:len(conversation(0, 1)) - 3]
+                assert any(p.startswith(history) and first[p] == k for p in first), "turn 2 left its history"
+        timelines = await (await client.get("/timelines")).json()
+        why = timelines[-1]["route"]["decode_why"]
+        assert why["policy"] == "kv-aware" and why["matched_chunks"] >= 2 and why["chunks"] > why["matched_chunks"]
+        assert set(timelines[-1]["route"]) == {"prefill", "decode", "prefill_why", "decode_why"}
+
+
+@run_async
+async def test_round_robin_stays_available():
+    async with cluster_stack(decodes=2, policy="round-robin") as (client, ps, ds):
+        for _ in range(2):
+            for i in range(2):
+                assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 1)})).status == 200
+        assert [len(d.legs) for d in ds] == [2, 2]
+        assert [leg.body["prompt"] for leg in ds[0].legs] == [conversation(0, 1)] * 2  # it alternates blindly
+        assert (await (await client.get("/timelines")).json())[-1]["route"]["decode_why"] == {"policy": "round-robin"}
+
+
+@run_async
+async def test_a_busy_or_full_decode_loses_to_an_idle_one_and_load_comes_from_metrics():
+    queue = 'vllm:num_requests_waiting{engine="0",model_name="m"} 9.0\nvllm:kv_cache_usage_perc{engine="0"} 0.2\n'
+    async with cluster_stack(decodes=2, health_interval_s=0.05, decode={"metrics": queue}) as (client, ps, ds):
+        router = client.server.app[ROUTER_KEY]
+        await wait_for(lambda: router.d_instances[router.decode_urls[0]].waiting == 9.0)
+        prompt = conversation(7, 1)
+        # D0 holds the prompt, but 9 requests wait there
+        router.d_instances[router.decode_urls[0]].index.record(prompt_hashes({"prompt": prompt}, False))
+        for _ in range(3):
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": prompt})).status == 200
+        assert [len(d.legs) for d in ds] == [0, 3]
+
+
+@run_async
+async def test_an_unhealthy_decode_is_skipped():
+    async with cluster_stack(decodes=2, health_interval_s=0.05) as (client, ps, ds):
+        ds[0].healthy = False
+        await asyncio.sleep(0.4)  # three intervals without a good check
+        for i in range(4):
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 1)})).status == 200
+        assert [len(d.legs) for d in ds] == [0, 4]
+
+
+@run_async
+@pytest.mark.parametrize("failure", ["500", "drop"])
+async def test_a_decode_failure_before_any_byte_migrates_to_another_decode(failure):
+    """The decode instance dies (or errs) before the client saw a byte: the request moves to the other decode
+    instance with the next attempt (a new prefill leg too), within the same request."""
+    async with cluster_stack(decodes=2, decode={"actions": [failure]}, prefill={"delay": 0.05}) as (client, ps, ds):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": conversation(1, 1)})
+        assert resp.status == 200 and await resp.json() == ANSWER
+        assert [leg.params["attempt"] for leg in ds[0].legs] == [0]
+        assert [leg.params["attempt"] for leg in ds[1].legs] == [1]
+        assert [leg.params["attempt"] for leg in ps[0].legs] == [0, 1]
+        [timeline] = await (await client.get("/timelines")).json()
+        assert timeline["attempt"] == 1 and timeline["migrated_from"] == [client.server.app[ROUTER_KEY].decode_urls[0]]
+        assert timeline["route"]["decode"] == client.server.app[ROUTER_KEY].decode_urls[1]
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_migrations_total{mode="push"} 1.0' in metrics
+
+
+@run_async
+async def test_a_decode_failure_after_the_stream_started_is_not_migrated():
+    async with cluster_stack(decodes=2, decode={"actions": ["stall"]}, request_timeout_s=1.0) as (client, ps, ds):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        body = await resp.read()
+        assert resp.status == 200 and body.startswith(SSE[0]) and b"error" in body  # bytes were out: no retry
+        assert len(ds[1].legs) == 0
+
+
+def test_prefix_hashes_chain_whole_chunks_of_text_tokens_and_chat():
+    from kvpush_common.router.prefix_index import CHUNK_CHARS, CHUNK_TOKENS, PrefixIndex
+
+    a = prompt_hashes({"prompt": "x" * (3 * CHUNK_CHARS + 5)}, False)
+    b = prompt_hashes({"prompt": "x" * (2 * CHUNK_CHARS) + "y" * CHUNK_CHARS}, False)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]  # a hash covers every chunk before it
+    assert prompt_hashes({"prompt": "short"}, False) == []
+    ids = prompt_hashes({"prompt": list(range(2 * CHUNK_TOKENS + 3))}, False)
+    assert len(ids) == 2 and prompt_hashes({"prompt": [list(range(2 * CHUNK_TOKENS))]}, False) == ids
+    turn1 = [{"role": "user", "content": "q" * CHUNK_CHARS * 2}]
+    turn2 = turn1 + [{"content": "answer", "role": "assistant"}, {"role": "user", "content": "more"}]
+    h1, h2 = prompt_hashes({"messages": turn1}, True), prompt_hashes({"messages": turn2}, True)
+    assert len(h1) >= 2 and h2[:len(h1)] == h1
+    assert prompt_hashes({"prompt": ["a", "b"]}, False) == [] and prompt_hashes({"messages": "x"}, True) == []
+    index = PrefixIndex(capacity=3)
+    index.record(a)
+    assert index.matched(b) == 2 and index.matched(a) == 3
+    index.record(prompt_hashes({"prompt": "z" * CHUNK_CHARS}, False))
+    assert index.matched(a) == 0 and len(index) == 3  # the least recently sent went first
+
+
+def test_vllm_load_is_read_from_its_metrics_page():
+    from kvpush_common.router.load import parse_vllm_load
+
+    page = ("# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0"} 3.0\nvllm:num_requests_running{engine="1"} 2.0\n'
+            "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.5\n"
+            "# TYPE other gauge\nother 7\n")
+    assert parse_vllm_load(page) == {"running": 5.0, "kv_usage": 0.5}
+    assert parse_vllm_load("") == {}
+
+
+def test_policy_choice_trades_cached_prefix_against_load():
+    from kvpush_common.router.policy import Instance, KVAware
+
+    hashes = [bytes([i]) * 8 for i in range(10)]
+    warm, cold = Instance("http://warm"), Instance("http://cold")
+    warm.index.record(hashes[:6])
+    policy = KVAware(in_flight_weight=2.0, waiting_weight=8.0)
+    assert policy.choose([cold, warm], hashes).instance is warm  # 4 chunks to compute vs 10
+    warm.in_flight = 4  # 4 + 8 > 10
+    assert policy.choose([cold, warm], hashes).instance is cold
+    warm.in_flight, warm.waiting = 0, 1.0  # 4 + 8 > 10
+    assert policy.choose([cold, warm], hashes).instance is cold
+    warm.in_flight, warm.kv_usage = 0, 0.99  # nearly full: its cache is about to be evicted anyway
+    assert policy.choose([cold, warm], hashes).instance is cold
 
 
 # ---- health, metrics, start-up ----------------------------------------------------------------------
@@ -467,6 +641,37 @@ async def test_kvpush_pull_sends_the_decode_leg_after_the_prefill_answered():
         [pl], [dl] = p.legs, d.legs
         assert dl.arrived >= pl.finished
         tid = pl.params["transfer_id"]
-        assert pl.params == {"kvpush": "prefill", "transfer_id": tid, "attempt": 0}
+        assert pl.params == {"kvpush": "prefill", "transfer_id": tid, "attempt": 0, "consumer_tp": IDENTITY["tp_size"]}
         assert dl.params == {"kvpush": "decode", "transfer_id": tid, "attempt": 0, "producer": IDENTITY}
+        assert d.probes[0]["kv_transfer_params"] == {"kvpush": "identity"}  # D's TP size, asked once
         assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity"}
+
+
+@run_async
+async def test_a_decode_that_does_not_report_its_tp_size_still_serves_without_it():
+    """D's TP size is an optimisation (P ranks no D rank reads from release at once): a D that answers
+    the probe without an identity is served, and the prefill leg carries no consumer_tp."""
+    async with router_stack(decode={"identity": None}) as (client, [p], d):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3})
+        assert resp.status == 200 and await resp.json() == ANSWER
+        [pl] = p.legs
+        assert "consumer_tp" not in pl.params and d.probes
+
+
+def test_prefill_leg_carries_a_bounded_consumer_tp():
+    from kvpush_common.protocol.legs import PrefillLeg, parse_leg
+
+    assert parse_leg({"kvpush": "prefill", "transfer_id": "t", "consumer_tp": 4}) == PrefillLeg("t", 0, 4)
+    assert parse_leg({"kvpush": "prefill", "transfer_id": "t"}).consumer_tp is None
+    assert parse_leg({"kvpush": "prefill", "transfer_id": "t", "consumer_tp": 0}) is None  # malformed: logged
+
+
+@run_async
+async def test_parallel_sampling_prefills_one_sequence_and_decodes_n():
+    async with router_stack() as (client, [p], d):
+        body = {"model": "m", "prompt": "hi", "max_tokens": 3, "n": 2, "best_of": 2, "temperature": 0.8, "seed": 7}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200
+        [pl], [dl] = p.legs, d.legs
+        assert pl.body["n"] == 1 and "best_of" not in pl.body and pl.body["seed"] == 7
+        assert dl.body["n"] == 2 and dl.body["best_of"] == 2

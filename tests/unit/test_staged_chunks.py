@@ -69,3 +69,39 @@ def test_chunk_indices_outside_the_count_are_dropped():
                        first=0, count=2)
     assert ep._on_chunk(peer, KEY, PROD, bad, 1.0) == [] and ep.transport.sent == []
     assert ep.stats.rejected_msgs.labels(reason="bad_chunk")._value.get() == 1
+
+
+def test_slot_free_echoes_the_use_of_the_chunk():
+    from kvpush_common.protocol.wire import Codec, SlotFree
+
+    ep, peer, _ = consumer()
+    msg = ChunkWritten(transfer_id="t", attempt=0, producer_engine="P", producer_rank=0, chunk=0, chunks=2,
+                       slot=1, first=0, count=2, use=41)
+    ep._on_chunk(peer, KEY, PROD, msg, 1.0)
+    [(_, raw)] = ep.transport.sent
+    freed = Codec().decode(raw)
+    assert isinstance(freed, SlotFree) and (freed.slot, freed.use) == (1, 41)
+
+
+def test_lent_slots_refuse_a_late_free_of_an_earlier_use_and_take_back_lost_ones():
+    """Issue 16 item 2: a lost SlotFree no longer leaks the slot; a late one never frees a slot in use."""
+    import pytest
+
+    from kvpush_common.plan.staging import LentSlots
+
+    pool = LentSlots(1 << 20, 2 * 4096, 4096)
+    a = pool.take()
+    first_use = pool.use_of(a)
+    pool.landed(a, now=10.0, hold_s=5.0)
+    assert pool.reclaim(14.9) == 0 and a not in pool.free
+    assert pool.reclaim(15.0) == 1 and a in pool.free  # its SlotFree was lost: taken back
+    b = pool.take()
+    assert b == a and pool.use_of(b) != first_use  # reused for another chunk
+    with pytest.raises(ValueError, match="in use"):
+        pool.give(a, first_use)  # the lost SlotFree arrives after all: refused, the slot stays taken
+    assert a not in pool.free
+    pool.give(b, pool.use_of(b))  # the right SlotFree frees it, and cancels its take-back
+    assert a in pool.free and pool.reclaim(100.0) == 0
+    c = pool.take()
+    pool.give(c)  # our own failed WRITE gives it back without a use
+    assert sorted(pool.free) == [0, 1]

@@ -38,6 +38,7 @@ from kvpush_common.protocol.wire import (
     Register,
     Revoke,
     RevokeAck,
+    Unneeded,
     UnsupportedVersion,
     WireError,
     WriteDone,
@@ -105,6 +106,8 @@ registers = st.builds(
     ttl_ms=st.integers(1, 3_600_000),
 )
 revokes = st.builds(Revoke, transfer_id=ids, attempt=attempts, consumer_engine=ids, consumer_rank=ranks, reason=reasons)
+unneededs = st.builds(Unneeded, transfer_id=ids, attempt=attempts, consumer_engine=ids, consumer_rank=ranks,
+                      reason=reasons)
 acks = st.builds(RevokeAck, transfer_id=ids, attempt=attempts, producer_engine=ids, producer_rank=ranks)
 heartbeats = st.builds(
     Heartbeat,
@@ -135,6 +138,7 @@ STRATEGIES = {
     "reject": rejects,
     "reg": registers,
     "revoke": revokes,
+    "unneeded": unneededs,
     "revoke_ack": acks,
     "hb": heartbeats,
     "done": dones,
@@ -161,13 +165,15 @@ EXAMPLES = [
     WriteDone(transfer_id="req-1", attempt=3, producer_engine="prefill-0", producer_rank=0, nbytes=4096, num_descs=4),
     WriteFailed(transfer_id="req-1", attempt=3, producer_engine="prefill-0", producer_rank=0, code="expired",
                 reason="registration expired"),
+    Unneeded(transfer_id="req-2", attempt=0, consumer_engine="decode-0", consumer_rank=0,
+             reason="300 prompt tokens cached here, 40 computed here"),
 ]
 EXAMPLE_IDS = [type(m).__name__ for m in EXAMPLES]
 
 
 def test_examples_cover_every_message_type():
-    assert {type(m) for m in EXAMPLES} == {Hello, HelloReject, Register, Revoke, RevokeAck, Heartbeat, WriteDone,
-                                           WriteFailed}
+    assert {type(m) for m in EXAMPLES} == {Hello, HelloReject, Register, Revoke, Unneeded, RevokeAck, Heartbeat,
+                                           WriteDone, WriteFailed}
     assert set(STRATEGIES) == {type(m).__struct_config__.tag for m in EXAMPLES}
 
 
@@ -423,6 +429,8 @@ BAD_FIELDS = [
     (EXAMPLES[6], "num_descs", 2**40),
     (EXAMPLES[7], "code", "c" * 65),
     (EXAMPLES[7], "producer_rank", 4096),
+    (EXAMPLES[8], "reason", "x" * 513),
+    (EXAMPLES[8], "consumer_rank", -1),
 ]
 
 
@@ -532,7 +540,7 @@ field_names = st.sampled_from(
      "num_tokens", "ttl_ms", "keys", "layout", "regions", "reason", "code", "nbytes", "num_descs", "engine_id",
      "role", "rank", "tp_size", "mode", "compat_hash", "agent_metadata", "extra"]
 )
-tags = st.sampled_from(["hello", "reject", "reg", "revoke", "revoke_ack", "hb", "done", "failed", "x"])
+tags = st.sampled_from(["hello", "reject", "reg", "revoke", "unneeded", "revoke_ack", "hb", "done", "failed", "x"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

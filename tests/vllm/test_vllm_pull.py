@@ -11,7 +11,7 @@ from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pai
 pytestmark = pytest.mark.timeout(900)
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-PULL = {"mode": "pull", "reg_ttl_s": 5, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
+PULL = {"mode": "pull", "reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
 
 
 def test_pull_through_router_matches_a_single_instance():

@@ -51,12 +51,12 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def stream_ttft(url: str, prompt: str, limit_s: float) -> tuple[str, float | None, str]:
+def stream_ttft(url: str, prompt: str, limit_s: float, gen: dict = GEN) -> tuple[str, float | None, str]:
     """(text, TTFT seconds or None, outcome: ok | failed | hung)."""
     t0 = time.monotonic()
     first, text = None, []
     try:
-        for chunk in sse_chunks(url + "/v1/completions", {**GEN, "prompt": prompt}, limit_s):
+        for chunk in sse_chunks(url + "/v1/completions", {**gen, "prompt": prompt}, limit_s):
             if "error" in chunk:
                 return "".join(text), None, "failed"
             piece = chunk["choices"][0].get("text", "")

