@@ -20,7 +20,7 @@ import numpy as np
 
 from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
-from kvpush_common.endpoint.handshake import HandshakeError, request_hello
+from kvpush_common.endpoint.handshake import HandshakeError, handshake_codec, request_hello
 from kvpush_common.endpoint.inbox import Decline, Expect, HandshakeDone, HandshakeFailed, LocalAbort
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
@@ -56,6 +56,7 @@ class ConsumerEndpoint(Endpoint):
         self._pool = ThreadPoolExecutor(max_workers=self.cfg.handshake_workers,
                                         thread_name_prefix=f"kvpush-hs-{self.cfg.rank}")
         self._connecting: dict[tuple[str, int], list[Expect | Decline]] = {}  # producer rank -> waiting requests
+        self._hello_codec = handshake_codec(self.cfg.secret)
         self._next_heartbeat = 0.0
         self._expected_at: dict[TransferKey, float] = {}
         self._expects: dict[TransferKey, Expect] = {}  # pull mode needs the blocks when the grant comes
@@ -286,8 +287,7 @@ class ConsumerEndpoint(Endpoint):
         prod = (ref.engine_id, rank)
         try:
             hello = request_hello(ref.host, ref.port + rank, self.local_hello(self._lend_partition(prod)),
-                                  self.cfg.secret,
-                                  self.cfg.handshake_timeout_s)
+                                  self._hello_codec, self.cfg.handshake_timeout_s)
             reason = self.check_peer_hello(hello, "producer")
             if reason is None and (hello.engine_id, hello.rank, hello.tp_size) != (ref.engine_id, rank, ref.tp_size):
                 reason = (f"expected producer {ref.engine_id} rank {rank} of TP {ref.tp_size}, found "

@@ -32,7 +32,7 @@ class HandshakeServer:
 
     def __init__(self, host: str, port: int, secret: bytes | None, local_hello: Callable[[], Hello],
                  accept: Callable[[Hello], str | None]):
-        self._codec = Codec(secret, max_bytes=MAX_HANDSHAKE_BYTES)
+        self._codec = handshake_codec(secret)
         self._local_hello = local_hello
         self._accept = accept
         self._ctx = zmq.Context.instance()
@@ -93,9 +93,14 @@ class HandshakeServer:
         return self._local_hello()
 
 
-def request_hello(host: str, port: int, hello: Hello, secret: bytes | None, timeout_s: float) -> Hello:
+def handshake_codec(secret: bytes | None) -> Codec:
+    """One per asking endpoint, kept: a signed codec is a replay-window sender, and one per request
+    would fill every server's sender table."""
+    return Codec(secret, max_bytes=MAX_HANDSHAKE_BYTES)
+
+
+def request_hello(host: str, port: int, hello: Hello, hcodec: Codec, timeout_s: float) -> Hello:
     """Send our Hello, return the peer's; HandshakeError on rejection, timeout or bad reply."""
-    hcodec = Codec(secret, max_bytes=MAX_HANDSHAKE_BYTES)
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_BYTES + 1024)

@@ -1,26 +1,34 @@
 """Every control message kvpush puts on a socket or in a NIXL notification, and their one codec.
 
-Frame: b"KVP" | version (1 byte) | flags (1 byte) | msgpack body | HMAC-SHA256 (32 bytes, if flag 1).
-The version sits outside the body so that a peer of another version gets a clear error, not a
-schema failure.  Bodies are msgspec tagged structs with bounded fields; nothing is pickled.
+Frame: b"KVP" | version (1 byte) | flags (1 byte) | [if signed: sender (8 bytes) | seq (8) | sent_at
+(8, float seconds)] | msgpack body | HMAC-SHA256 (32 bytes, if flag 1).  The version sits outside the
+body so that a peer of another version gets a clear error, not a schema failure; a signed frame's
+freshness fields let the receiver refuse a replay (`protocol/replay.py`).  Bodies are msgspec tagged structs with bounded fields; nothing is pickled.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import os
+import struct
+import threading
+import time
 from typing import Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta
 
 from kvpush_common.protocol.layout import KVLayout
+from kvpush_common.protocol.replay import ReplayWindow
 
-PROTOCOL_VERSION = 2  # 2: Unneeded
+PROTOCOL_VERSION = 3  # 2: Unneeded; 3: signed frames carry sender, seq and time (replay window)
 MAGIC = b"KVP"
 HEADER_LEN = len(MAGIC) + 2
 MAC_LEN = 32
 FLAG_SIGNED = 0x01
+FRESHNESS = struct.Struct("!8sQd")  # sender, seq, sent_at: signed frames only, under the MAC
 MAX_BLOCK_IDS = 1 << 18  # 4M tokens at block size 16
 MAX_HEARTBEAT_KEYS = 4096
 MAX_NOTIF_BYTES = 4 << 20  # registrations and results travel as NIXL notifications
@@ -55,6 +63,10 @@ class BadSignature(WireError):
 
 class MalformedMessage(WireError):
     pass
+
+
+class ReplayedMessage(WireError):
+    """A signed frame that verifies but was accepted before, or is too old to tell."""
 
 
 class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=True):
@@ -227,11 +239,21 @@ _DECODER = msgspec.msgpack.Decoder(Message)
 
 
 class Codec:
-    """Encode and decode frames; signs and verifies when a shared secret is configured."""
+    """Encode and decode frames; signs and verifies when a shared secret is configured.
 
-    def __init__(self, secret: bytes | None = None, max_bytes: int = MAX_NOTIF_BYTES):
+    With a secret each codec is a sender of its own (random id, counting seq) and refuses frames it
+    has accepted before (`ReplayWindow`); `clock` is the wall clock, injectable for tests.
+    """
+
+    def __init__(self, secret: bytes | None = None, max_bytes: int = MAX_NOTIF_BYTES,
+                 clock=time.time, replay: ReplayWindow | None = None):
         self._secret = secret or None
         self.max_bytes = max_bytes
+        self._clock = clock
+        self._sender = os.urandom(8)
+        self._seq = itertools.count()
+        self._replay = replay or ReplayWindow()
+        self._replay_lock = threading.Lock()
 
     @property
     def signed(self) -> bool:
@@ -240,9 +262,11 @@ class Codec:
     def encode(self, msg: Message) -> bytes:
         body = _ENCODER.encode(msg)
         header = MAGIC + bytes([PROTOCOL_VERSION, FLAG_SIGNED if self._secret else 0])
-        frame = header + body
         if self._secret:
+            frame = header + FRESHNESS.pack(self._sender, next(self._seq), self._clock()) + body
             frame += hmac.new(self._secret, frame, hashlib.sha256).digest()
+        else:
+            frame = header + body
         if len(frame) > self.max_bytes:
             raise MessageTooLarge(f"{type(msg).__name__} is {len(frame)} bytes; limit {self.max_bytes}")
         return frame
@@ -265,18 +289,28 @@ class Codec:
             raise BadSignature("unsigned message but a shared secret is configured")
         if signed and not self._secret:
             raise BadSignature("peer signs its messages but no shared secret is configured here")
+        body_at = HEADER_LEN
         if signed:
-            if len(frame) < HEADER_LEN + MAC_LEN:
-                raise MalformedMessage("signed frame too short for its MAC")
+            if len(frame) < HEADER_LEN + FRESHNESS.size + MAC_LEN:
+                raise MalformedMessage("signed frame too short for its freshness fields and MAC")
             frame, mac = frame[:-MAC_LEN], frame[-MAC_LEN:]
             if not hmac.compare_digest(mac, hmac.new(self._secret, frame, hashlib.sha256).digest()):
                 raise BadSignature("message MAC does not verify (forged, corrupted, or wrong secret)")
+            sender, seq, sent_at = FRESHNESS.unpack_from(frame, HEADER_LEN)
+            body_at += FRESHNESS.size
+            # the body is checked before the frame counts as seen, so a malformed one leaves no trace
         try:
-            return _DECODER.decode(frame[HEADER_LEN:])
+            msg = _DECODER.decode(frame[body_at:])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise MalformedMessage(f"malformed message: {e}") from None
         except RecursionError:  # msgspec's nesting limit, e.g. deep arrays under an unknown key
             raise MalformedMessage("malformed message: nested too deeply") from None
+        if signed:
+            with self._replay_lock:
+                why = self._replay.check(sender, seq, sent_at, self._clock())
+            if why:
+                raise ReplayedMessage(why)
+        return msg
 
 
 def compat_hash(*, mode: Mode, model: str, num_layers: int, total_kv_heads: int, head_dim: int, dtype: str,

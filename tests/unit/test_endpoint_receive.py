@@ -48,3 +48,10 @@ def test_message_types_the_role_does_not_take_are_dropped(consumer):
                    block_ids=[0], first_token=0, num_tokens=1, ttl_ms=10)
     assert consumer._receive({"P/r0": [Codec(b"k").encode(reg)]}) == []
     assert rejected(consumer, "unknown_sender") == 1
+
+
+def test_a_replayed_signed_frame_is_dropped_and_counted(consumer):
+    frame = Codec(b"k").encode(done())
+    assert [type(m).__name__ for _, m in consumer._receive({"P/r0": [frame]})] == ["WriteDone"]
+    assert consumer._receive({"P/r0": [frame]}) == []  # captured and sent again
+    assert rejected(consumer, "ReplayedMessage") == 1

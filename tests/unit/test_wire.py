@@ -11,6 +11,7 @@ import hmac
 import os
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from kvpush_common.protocol.layout import KVLayout, Region
 from kvpush_common.protocol.wire import (
     FLAG_SIGNED,
+    FRESHNESS,
     HEADER_LEN,
     MAC_LEN,
     MAGIC,
@@ -36,6 +38,7 @@ from kvpush_common.protocol.wire import (
     MalformedMessage,
     MessageTooLarge,
     Register,
+    ReplayedMessage,
     Revoke,
     RevokeAck,
     Unneeded,
@@ -182,9 +185,12 @@ def raw_frame(body: bytes, *, secret: bytes | None = None, version: int = PROTOC
     """Build a frame by hand (bypassing the encoder), signed when `secret` is given."""
     if flags is None:
         flags = FLAG_SIGNED if secret else 0
-    frame = MAGIC + bytes([version, flags]) + body
+    frame = MAGIC + bytes([version, flags])
     if secret:
+        frame += FRESHNESS.pack(os.urandom(8), 0, time.time()) + body
         frame += hmac.new(secret, frame, hashlib.sha256).digest()
+    else:
+        frame += body
     return frame
 
 
@@ -205,9 +211,9 @@ def test_round_trip_every_type(tag, data, codec):
     out = codec.decode(frame)
     assert type(out) is type(msg)
     assert out == msg
-    # bytes-likes decode the same
-    assert codec.decode(bytearray(frame)) == msg
-    assert codec.decode(memoryview(frame)) == msg
+    # bytes-likes decode the same (fresh frames: a signed frame is accepted once)
+    assert codec.decode(bytearray(codec.encode(msg))) == msg
+    assert codec.decode(memoryview(codec.encode(msg))) == msg
 
 
 def test_empty_secret_means_unsigned():
@@ -313,7 +319,7 @@ def test_limit_is_inclusive_and_counts_the_mac(secret):
     frame = Codec(secret).encode(EXAMPLES[2])
     exact = Codec(secret, max_bytes=len(frame))
     assert exact.decode(frame) == EXAMPLES[2]
-    assert exact.encode(EXAMPLES[2]) == frame
+    assert len(exact.encode(EXAMPLES[2])) == len(frame)
     small = Codec(secret, max_bytes=len(frame) - 1)
     with pytest.raises(MessageTooLarge):
         small.encode(EXAMPLES[2])
@@ -373,9 +379,43 @@ def test_signature_mismatches(msg):
 
 
 def test_signed_frame_too_short_for_mac():
-    for n in range(MAC_LEN):
+    for n in range(FRESHNESS.size + MAC_LEN):
         with pytest.raises(MalformedMessage, match="MAC"):
             Codec(SECRET).decode(MAGIC + bytes([PROTOCOL_VERSION, FLAG_SIGNED]) + b"\x00" * n)
+
+
+# ---- replays (issue 16 item 7) -----------------------------------------------------------------------
+@pytest.mark.parametrize("msg", EXAMPLES, ids=EXAMPLE_IDS)
+def test_a_signed_frame_is_accepted_once_per_receiver(msg):
+    sender, receiver, other = Codec(SECRET), Codec(SECRET), Codec(SECRET)
+    frame = sender.encode(msg)
+    assert receiver.decode(frame) == msg
+    with pytest.raises(ReplayedMessage, match="replayed frame"):
+        receiver.decode(frame)
+    assert other.decode(frame) == msg  # each receiver keeps its own window
+    assert receiver.decode(sender.encode(msg)) == msg  # the same message sent again is a new frame
+
+
+def test_reordered_frames_are_accepted_and_old_ones_refused():
+    now = [1000.0]
+    sender, receiver = Codec(SECRET, clock=lambda: now[0]), Codec(SECRET, clock=lambda: now[0])
+    frames = [sender.encode(REG) for _ in range(5)]
+    for f in reversed(frames):  # delivered in reverse order: all fresh
+        assert receiver.decode(f) == REG
+    late = sender.encode(REG)
+    now[0] += 601  # past the 600 s horizon
+    with pytest.raises(ReplayedMessage, match="horizon"):
+        receiver.decode(late)
+    ahead = Codec(SECRET, clock=lambda: now[0] + 601).encode(REG)
+    with pytest.raises(ReplayedMessage, match="ahead"):
+        receiver.decode(ahead)
+
+
+def test_unsigned_frames_carry_no_freshness_and_are_not_windowed():
+    codec = Codec()
+    frame = codec.encode(REG)
+    assert len(frame) == HEADER_LEN + len(msgspec.msgpack.encode(REG))
+    assert codec.decode(frame) == codec.decode(frame) == REG  # without a secret anyone can mint frames anyway
 
 
 # ---- out-of-bound fields -----------------------------------------------------------------------------
