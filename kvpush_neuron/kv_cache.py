@@ -118,7 +118,6 @@ class NeuronKVCache(DeviceBackend):
         """Runs right before the endpoint creates its NIXL agent: the last moment to check the order."""
         check_runtime_ready(self.runtime)
         self.runtime.claim_agent(self.device_index, self)
-        self.runtime.note_nixl_agent()
 
     def mark_kv_written(self) -> object:
         return self.runtime.fence()

@@ -9,11 +9,13 @@ checks and the conformance suite run on CPU.  Sources: /work/shared/notes/neuron
 from __future__ import annotations
 
 import os
+import time
 from typing import Literal, MutableMapping, Protocol
 
 import numpy as np
 
 from kvpush_common.device.ranges import parse_range
+from kvpush_common.transport.fabric_start import libfabric_started_at
 
 MemKind = Literal["NEURON", "SYSTEM"]
 
@@ -71,14 +73,12 @@ class NeuronRuntime(Protocol):
 
     def device_index(self, tensor) -> int: ...
 
-    def note_nixl_agent(self) -> None:
-        """A NIXL agent is about to be created in this process (libfabric picks its HMEM ifaces then)."""
-
     def claim_agent(self, core: int, owner: object) -> None:
         """Record that `owner` creates the one NIXL agent of local device `core`; a second owner raises."""
 
     def device_memory_kind(self) -> MemKind:
-        """How libfabric will register device memory: "SYSTEM" if an agent predates runtime init."""
+        """How libfabric will register device memory: "SYSTEM" if it was started in this process
+        before the runtime was initialised (or before kvpush saw it initialised)."""
 
     def to_host(self, tensor) -> np.ndarray:
         """The bytes of a uint8 device tensor (a copy)."""
@@ -93,23 +93,28 @@ class NeuronRuntime(Protocol):
 
 
 class _AgentOrder:
-    """libfabric picks its HMEM interfaces when the first agent starts: one created before the
-    runtime was initialised leaves FI_HMEM_NEURON out and VRAM silently registers as host memory."""
+    """libfabric picks its HMEM interfaces when the process first starts it: started before the
+    runtime was initialised, it leaves FI_HMEM_NEURON out and HBM silently registers as host memory.
+    The runtime's start is when `init()` or the first allocation ran here, or, for tensors the
+    plugin's worker allocated, when kvpush first saw them (`adopt`): an upper bound, so libfabric
+    started before that counts as too early, which it most likely was."""
 
     def __init__(self):
-        self._initialized = False
-        self._agent_before_init = False
+        self._initialized_at: float | None = None
         self._agents: dict[int, object] = {}
 
-    def is_initialized(self) -> bool:
-        return self._initialized
+    def _mark_initialized(self) -> None:
+        if self._initialized_at is None:
+            self._initialized_at = time.monotonic()
 
-    def note_nixl_agent(self) -> None:
-        if not self._initialized:
-            self._agent_before_init = True
+    def is_initialized(self) -> bool:
+        return self._initialized_at is not None
 
     def device_memory_kind(self) -> MemKind:
-        return "SYSTEM" if self._agent_before_init else "NEURON"
+        started = libfabric_started_at()
+        if started is not None and self._initialized_at is not None and started < self._initialized_at:
+            return "SYSTEM"
+        return "NEURON"
 
     def claim_agent(self, core: int, owner: object) -> None:
         held = self._agents.setdefault(core, owner)
@@ -131,7 +136,7 @@ class SimulatedNeuronRuntime(_AgentOrder):
     """Host memory standing in for HBM, same tensor shapes; raises or returns what the real stack does:
 
     - `data_ptr()` is 0 unless NEURON_RT_MAP_HBM was set at the first allocation (latched then);
-    - an agent noted before `init()` makes `device_memory_kind()` "SYSTEM" (silent in reality);
+    - libfabric started (through NIXL) before `init()` makes `device_memory_kind()` "SYSTEM" (silent in reality);
     - `init()` refuses NEURON_RT_VISIBLE_CORES without NEURON_VISIBLE_DEVICES (the 0.2x plugin raises);
     - allocating before `init()` is refused.
     """
@@ -149,12 +154,12 @@ class SimulatedNeuronRuntime(_AgentOrder):
         problem = core_visibility_problem(self.env)
         if problem:
             raise NeuronRuntimeError(problem)
-        self._initialized = True
+        self._mark_initialized()
 
     def allocate(self, nbytes: int, core: int = 0) -> tuple[object, int]:
         import torch
 
-        if not self._initialized:
+        if not self.is_initialized():
             raise NeuronRuntimeError("device allocation before the Neuron runtime was initialised")
         if self._hbm_mapped is None:
             self._hbm_mapped = map_hbm_enabled(self.env)
@@ -205,18 +210,18 @@ class RealNeuronRuntime(_AgentOrder):
 
     def init(self) -> None:
         """What vllm-neuron's worker does before KV transfer starts (maps HBM for RDMA)."""
-        if not self._initialized:
+        if not self.is_initialized():
             self._torch.classes.neuron.Runtime().initialize()
-            self._initialized = True
+            self._mark_initialized()
 
     def adopt(self, tensor) -> None:
         """Tensors already on the device prove the runtime was initialised (by the plugin's worker)."""
         self._check_device(tensor)
-        self._initialized = True
+        self._mark_initialized()
 
     def allocate(self, nbytes: int, core: int = 0) -> tuple[object, int]:
         tensor = self._torch.zeros(nbytes, dtype=self._torch.uint8, device=f"neuron:{core}")
-        self._initialized = True
+        self._mark_initialized()
         return tensor, self.data_ptr(tensor)
 
     def _check_device(self, tensor) -> None:

@@ -28,9 +28,10 @@ def check_runtime_ready(runtime: NeuronRuntime) -> None:
             "vllm-neuron's worker does) before creating the NIXL agent, else FI_HMEM_NEURON is missing")
     if runtime.device_memory_kind() != "NEURON":
         raise NeuronStartupError(
-            "a NIXL agent was created in this process before the Neuron runtime was initialised: libfabric then "
-            "registers Neuron HBM as host memory (FI_HMEM_SYSTEM) without an error; initialise the runtime "
-            "before any NIXL agent (restart the worker)")
+            "libfabric was started in this process (a NIXL agent with a LIBFABRIC backend, kvpush's or another "
+            "component's) before the Neuron runtime was initialised, or before kvpush saw it initialised: libfabric "
+            "then registers Neuron HBM as host memory (FI_HMEM_SYSTEM) without an error; initialise the runtime "
+            "before any NIXL agent and let kvpush's connector create the worker's only agent (restart the worker)")
 
 
 def check_hbm_mapped(runtime: NeuronRuntime, addresses: list[int]) -> None:

@@ -8,6 +8,7 @@ conformance suite unchanged.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import importlib
 import os
@@ -109,7 +110,9 @@ class Peer:
         self.lock = threading.Lock()
         self.seen_at: dict[tuple[str, int], float] = {}  # CLOCK_MONOTONIC, comparable across processes
 
-    def op_start(self, role, cfg, backend, faults=None):
+    def op_start(self, role, cfg, backend, faults=None, agent_first=None):
+        """`agent_first`: "kvpush" or "other" creates a NIXL agent of the configured backend before the
+        device backend (a Neuron runtime initialised after libfabric started: the start-up mistake)."""
         cfg = dict(cfg)
         if cfg.get("secret"):
             cfg["secret"] = cfg["secret"].encode()
@@ -118,6 +121,13 @@ class Peer:
 
             cfg["transport"] = TransportConfig(**cfg["transport"])
         config = EndpointConfig(**cfg)
+        if agent_first == "kvpush":
+            self.early_agent = nixl_transport(dataclasses.replace(config, engine_id="early"), False)
+        elif agent_first == "other":  # another component's agent, made with NIXL's own API
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            self.early_agent = nixl_agent("other", nixl_agent_config(enable_listen_thread=False, backends=[]))
+            self.early_agent.create_backend(config.transport.backend)
         self.backend = make_backend(dict(backend))
         factory = nixl_transport
         if faults:

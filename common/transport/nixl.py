@@ -14,6 +14,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from kvpush_common.transport.fabric_start import note_libfabric_backend
+
 Backend = Literal["UCX", "LIBFABRIC"]
 XferState = Literal["DONE", "PROC", "ERR"]
 
@@ -103,6 +105,8 @@ class NixlTransport:
         self.config = config
         conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
         self._agent = nixl_agent(name, conf)
+        if config.backend == "LIBFABRIC":
+            note_libfabric_backend(self._agent)
         try:
             self._agent.create_backend(config.backend, config.init_params())
         except Exception as e:

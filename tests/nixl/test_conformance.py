@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvpush_common.testing.procs import PeerProcess
+from kvpush_common.testing.procs import PeerError, PeerProcess
 from kvpush_common.testing.vllm_cluster import free_port
 
 BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu), "neuron-sim"]
@@ -71,7 +71,7 @@ class Cluster:
 
     def start(self, *, total_heads=2, p_tp=1, d_tp=1, p_block=16, d_block=16, p_order="HND", d_order="HND",
               p_blocks_first=False, d_blocks_first=False, num_blocks=32, p_cfg=None, d_cfg=None,
-              p_faults=None, d_faults=None):
+              p_faults=None, d_faults=None, d_agent_first=None):
         from kvpush_common.protocol.topology import local_heads
 
         self.p_tp = p_tp
@@ -106,7 +106,7 @@ class Cluster:
         for r, proc in enumerate(self.consumers):
             first, count = local_heads(total_heads, d_tp, r)
             cfg = dict(engine_id="D", rank=r, tp_size=d_tp, total_kv_heads=total_heads, **(d_cfg or {}))
-            reply = proc.call("start", role="consumer", cfg=cfg, faults=d_faults,
+            reply = proc.call("start", role="consumer", cfg=cfg, faults=d_faults, agent_first=d_agent_first,
                       backend=dict(kind=self.consumer_kind, num_heads=count, head_offset=first, block_size=d_block,
                                    num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO,
                                    **self._device(True, r, p_tp, d_tp)))
@@ -451,6 +451,27 @@ def test_lost_completion_notification_fails_cleanly(cluster):
     cl.ready("lost", 0, [1], 10)
     res = wait(cl.consumers[0], 1, seconds=15)
     assert res[0]["ok"] is False and "timed out" in res[0]["reason"]
+
+
+@pytest.mark.parametrize("kind", ["neuron-sim"])
+@pytest.mark.parametrize("agent_first", ["kvpush", "other"])
+def test_libfabric_started_before_the_neuron_runtime_is_refused(kind, agent_first):
+    """libfabric started in a worker (a NIXL agent with LIBFABRIC, kvpush's or another component's) before
+    the Neuron runtime was initialised registers HBM as host memory without an error: the connector must
+    refuse to start, naming it.  Over UCX libfabric is never started, and the same order works."""
+    cl = Cluster(kind)
+    try:
+        if NIXL_BACKEND == "LIBFABRIC":
+            with pytest.raises(PeerError, match="FI_HMEM_SYSTEM"):
+                cl.start(d_agent_first=agent_first)
+        else:
+            cl.start(d_agent_first=agent_first)
+            cl.expect("order", 0, [3], 16)
+            cl.ready("order", 0, [4], 16)
+            assert wait(cl.consumers[0], 1)[0]["ok"] is True
+            assert_copied(cl, [4], [3], 16)
+    finally:
+        cl.close()
 
 
 def test_hmac_on_both_sides(cluster):

@@ -88,23 +88,40 @@ def test_allocation_and_backend_need_an_initialised_runtime():
         NeuronKVCache(kv, 0, runtime=rt, block_size=BS)
 
 
-def test_agent_created_before_runtime_init_is_refused_not_silently_host_memory():
+class _Agent:
+    """Stands for the NIXL agent the hook is given (it only keeps a weak reference)."""
+
+
+@pytest.fixture
+def fresh_process_fabric(monkeypatch):
+    """libfabric's start is process-wide: each test starts from a process that has not started it."""
+    from kvpush_common.transport import fabric_start
+
+    monkeypatch.setattr(fabric_start, "_first_at", None)
+    monkeypatch.setattr(fabric_start, "_ours", fabric_start.weakref.WeakSet())
+    return fabric_start
+
+
+def test_libfabric_started_before_runtime_init_is_refused_not_silently_host_memory(fresh_process_fabric):
     rt = SimulatedNeuronRuntime(dict(GOOD))
-    rt.note_nixl_agent()  # e.g. another component started NIXL first
+    fresh_process_fabric.note_libfabric_backend(_Agent())  # what NixlTransport calls before a LIBFABRIC backend
     rt.init()
     assert rt.device_memory_kind() == "SYSTEM"  # what libfabric would do without a word
     with pytest.raises(NeuronStartupError, match="FI_HMEM_SYSTEM"):
         NeuronKVCache(caches(rt), 0, runtime=rt, block_size=BS)
 
 
-def test_bind_thread_rechecks_the_order_right_before_the_agent():
+def test_libfabric_started_after_runtime_init_is_fine_and_ucx_never_counts(fresh_process_fabric):
+    from kvpush_common.transport.nixl import NixlTransport, TransportConfig
+
+    ucx = NixlTransport("before-init", TransportConfig(backend="UCX"))  # UCX does not start libfabric
     rt = started()
+    assert fresh_process_fabric.libfabric_started_at() is None
     backend = NeuronKVCache(caches(rt), 0, runtime=rt, block_size=BS)
-    rt.note_nixl_agent()  # fine: after init
+    fresh_process_fabric.note_libfabric_backend(_Agent())  # the connector's own agent, after init
     assert rt.device_memory_kind() == "NEURON"
-    rt._agent_before_init = True  # simulate a stray early agent discovered late
-    with pytest.raises(NeuronStartupError, match="before the Neuron runtime was initialised"):
-        backend.bind_thread()
+    backend.bind_thread()
+    del ucx
 
 
 def test_one_agent_per_rank():
