@@ -755,11 +755,20 @@ def test_failed_chunk_write_fails_the_request_and_scatters_nothing(cluster):
     assert res["ok"] is False
     assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"
     assert dirty(cl.consumers[0]) == []
-    # every post errs, so a second request fails too; the producer keeps serving (whether the first push's
-    # slots came back is not asserted here: see the closing note of 2026-12-01)
+    # every post errs, so a second request fails too; the producer keeps serving
     cl.expect("cf2", 0, [8, 9], 20)
     cl.ready("cf2", 0, [7, 8], 20)
     assert wait(cl.consumers[0], 1)[0]["ok"] is False
+    # and no lent staging slot stays taken: failed chunks' slots come back (at the latest when the
+    # consumer's take-back, write_timeout_s + fence_grace_s, has passed)
+    deadline, slots = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        slots = cl.producers[0].call("lent_slots")
+        if slots["free"] == slots["size"]:
+            break
+        time.sleep(0.2)
+    assert slots["free"] == slots["size"], slots
+    assert (slots["size"] > 0) == (cluster.kind in STAGES)
 
 
 def test_exhausted_staging_pool_falls_back_to_direct(cluster):
