@@ -33,7 +33,8 @@ class Instance:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     in_flight: int = 0  # this router's requests on it now (exact)
     waiting: float = 0.0  # vllm:num_requests_waiting, last scrape
-    running: float = 0.0  # vllm:num_requests_running, last scrape
+    running: float = 0.0  # vllm:num_requests_running, last scrape (shown in the timeline, not costed:
+    # a running request is already counted in KV use and, if it is this router's, in in_flight)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0-1), last scrape
 
 
@@ -89,6 +90,7 @@ class KVAware(RoutingPolicy):
         (cost, matched), _, best = min(scored, key=lambda s: (s[0][0], s[1]))
         return Choice(best, {"policy": self.name, "chunks": len(hashes), "matched_chunks": matched,
                              "cost": round(cost, 2), "in_flight": best.in_flight, "waiting": best.waiting,
+                             "running": best.running,
                              "kv_usage": round(best.kv_usage, 3),
                              "others": {inst.url: round(c[0], 2) for c, _, inst in scored if inst is not best}})
 

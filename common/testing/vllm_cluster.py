@@ -137,7 +137,9 @@ class VllmServer(Process):
 
 
 class Router(Process):
-    def __init__(self, *, mode: str, prefill: list[str], decode: list[str], log_dir: Path, extra: list[str] = ()):
+    def __init__(self, *, mode: str, prefill: list[str], decode: list[str], log_dir: Path, extra: list[str] = (),
+                 name: str | None = None):
+        """`name` (default router-<mode>) names its log: give two routers of one test their own."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "kvpush_common.ops.cli", "router", "--port", str(self.port), "--mode", mode]
@@ -145,7 +147,7 @@ class Router(Process):
             argv += ["--prefill", u]
         for u in decode:
             argv += ["--decode", u]
-        super().__init__(f"router-{mode}", argv + list(extra), {"PYTHONUNBUFFERED": "1"}, log_dir)
+        super().__init__(name or f"router-{mode}", argv + list(extra), {"PYTHONUNBUFFERED": "1"}, log_dir)
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:

@@ -55,7 +55,7 @@ def cluster():
     try:
         wait_healthy(servers, timeout=600)
         routers = [Router(mode="push", prefill=[p.url], decode=[d.url], log_dir=work, extra=["--retries", "1"]),
-                   Router(mode="push", prefill=[pb.url], decode=[d.url], log_dir=work)]
+                   Router(mode="push", prefill=[pb.url], decode=[d.url], log_dir=work, name="router-push-b")]
         wait_healthy(routers, timeout=120)
         yield {"P": p, "D": d, "Pb": pb, "router": routers[0], "control": routers[1], "events": events, "work": work,
                "metrics": {"P": f"http://127.0.0.1:{p_metrics}", "D": f"http://127.0.0.1:{d_metrics}"}}
