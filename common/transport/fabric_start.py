@@ -31,7 +31,9 @@ def libfabric_started_at() -> float | None:
     None: not yet).  Scans the heap: call it at start-up, not on a step path."""
     api = sys.modules.get("nixl._api")
     if api is not None:
+        agent_type = api.nixl_agent
         for obj in gc.get_objects():
-            if isinstance(obj, api.nixl_agent) and obj not in _ours and "LIBFABRIC" in getattr(obj, "backends", {}):
+            # the real type, not isinstance(): that reads __class__, which lazy proxies answer with warnings
+            if agent_type in type(obj).__mro__ and obj not in _ours and "LIBFABRIC" in getattr(obj, "backends", {}):
                 return float("-inf")
     return _first_at
