@@ -41,6 +41,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=router.POLICIES, default="kv-aware",
                    help="how prefill and decode instances are chosen: kv-aware (the least to compute given what "
                         "each probably caches, against its load) or round-robin (default: %(default)s)")
+    p.add_argument("--skip-prefill-max-tokens", type=int, default=256, metavar="N",
+                   help="push/pull: send a request to the decode instance alone when it probably caches all of the "
+                        "prompt but at most N tokens (estimated: token ids exactly, text as bytes/4); 0: never "
+                        "(default: %(default)s)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="push: skip the start-up request that makes each decode instance handshake with each prefill")
     p.set_defaults(run=_run_router)
@@ -54,7 +58,8 @@ def _run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             mode=args.mode, prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
             retries=args.retries, request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
             startup_timeout_s=args.startup_timeout, health_interval_s=args.health_interval,
-            warm_up=not args.no_warm_up, policy=args.policy)
+            warm_up=not args.no_warm_up, policy=args.policy,
+            skip_prefill_max_tokens=args.skip_prefill_max_tokens)
     except ValueError as e:
         parser.error(str(e))
     log = logging.getLogger("kvpush.router")

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.router.load import parse_vllm_load
 from kvpush_common.router.policy import POLICIES, Instance, make_policy
-from kvpush_common.router.prefix_index import prompt_hashes
+from kvpush_common.router.prefix_index import estimated_tokens, prompt_hashes, uncached_tokens
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class RouterConfig:
     health_interval_s: float = 5.0
     warm_up: bool = True  # push: one tiny request per (prefill, decode) pair at start-up (handshakes early)
     policy: str = "kv-aware"  # router/policy.py: kv-aware or round-robin
+    # kvpush modes: no prefill leg when the chosen decode instance probably holds all of the prompt but at most
+    # this many tokens (prefix index estimate); it computes them itself.  0: every request has both legs
+    skip_prefill_max_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -70,6 +73,8 @@ class RouterConfig:
             raise ValueError(f"mode {self.mode} needs at least one prefill URL")
         if self.retries < 0 or self.request_timeout_s <= 0:
             raise ValueError("retries must be >= 0 and request_timeout_s > 0")
+        if self.skip_prefill_max_tokens < 0:
+            raise ValueError("skip_prefill_max_tokens must be >= 0")
 
 
 class StartupError(RuntimeError):
@@ -168,6 +173,12 @@ def decode_body(body: dict, kv_params: dict | None) -> dict:
     return body if kv_params is None else {**body, "kv_transfer_params": kv_params}
 
 
+def local_body(body: dict) -> dict:
+    """D's leg when it computes the prompt alone: a client's own kv_transfer_params are dropped (in a
+    disaggregated mode only the router tells an engine where KV comes from)."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
 def openai_error(message: str, status: int, kind: str = "upstream_error") -> dict:
     return {"error": {"message": message, "type": kind, "code": status}}
 
@@ -210,6 +221,7 @@ class RequestContext:
     stamps: dict[str, float] = field(default_factory=dict)
     streamed: web.StreamResponse | None = None  # set once bytes went to the client
     hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix hash chain (routing)
+    prompt_tokens: int | None = None  # estimated (prefix_index.estimated_tokens); None: unknown shape
     route: dict = field(default_factory=dict)  # this attempt's instances and why (timeline)
     failed_decodes: set[str] = field(default_factory=set)  # decode instances that failed this request
 
@@ -243,6 +255,9 @@ class RouterMetrics:
         self.prefill_cancelled = Counter("kvpush_router_prefill_cancelled",
                                          "prefill legs aborted because D answered first (it computed the prompt "
                                          "from its own prefix cache)", ["mode"], registry=self.registry)
+        self.prefill_skipped = Counter("kvpush_router_prefill_skipped",
+                                       "requests sent to a decode instance alone because it probably holds all "
+                                       "but a short tail of the prompt", ["mode"], registry=self.registry)
 
 
 @dataclass
@@ -476,7 +491,8 @@ class Router:
                                      status=400)
         ctx = RequestContext(path=request.path, chat=chat, body=body, stream=stream,
                              request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
-                             headers=_auth(request), hashes=prompt_hashes(body, chat))
+                             headers=_auth(request), hashes=prompt_hashes(body, chat),
+                             prompt_tokens=estimated_tokens(body, chat))
         response: web.StreamResponse | None = None
         try:
             response = await asyncio.wait_for(self._serve(request, ctx), self.config.request_timeout_s)
@@ -538,9 +554,12 @@ class Router:
         """One try at both legs: D's first output once P has answered 2xx -- or before, when D answers first
         (it computed the prompt from its own prefix cache): then the prefill leg lost the race and is
         aborted (closing its connection makes vLLM abort the request and free its blocks)."""
-        p_choice = self.p_policy.choose(self._healthy(list(self.p_instances.values())), ctx.hashes)
         d_choice = self.d_policy.choose(self._healthy(list(self.d_instances.values()), ctx.failed_decodes),
                                         ctx.hashes)
+        tail = self._local_tail(ctx, d_choice.instance)
+        if tail is not None:
+            return await self._decode_only(ctx, d_choice, tail)
+        p_choice = self.p_policy.choose(self._healthy(list(self.p_instances.values())), ctx.hashes)
         prefill = next(p for p in self.prefills if p.url == p_choice.instance.url)
         decode_url = d_choice.instance.url
         ctx.route = {"prefill": prefill.url, "decode": decode_url, "prefill_why": p_choice.why,
@@ -580,6 +599,35 @@ class Router:
             await _discard(prefill_task, decode_task)
             raise
 
+    def _local_tail(self, ctx: RequestContext, decode: Instance) -> int | None:
+        """The tokens `decode` probably computes for this prompt, when few enough that it should compute them
+        with no prefill leg at all; None otherwise (and outside kvpush modes, whose baselines stay vLLM's)."""
+        limit = self.config.skip_prefill_max_tokens
+        if self.mode not in KVPUSH_MODES or not limit:
+            return None
+        matched = decode.index.matched(ctx.hashes)
+        tail = uncached_tokens(ctx.prompt_tokens, matched)
+        return tail if matched and tail is not None and tail <= limit else None
+
+    async def _decode_only(self, ctx: RequestContext, d_choice, tail: int) -> "DecodeOutput":
+        """D probably caches all of the prompt but a short tail: it computes that itself, so no prefill instance
+        computes or holds anything.  A stale hint (D evicted the prefix) costs D a longer prefill, never a
+        wrong answer; a decode failure is retried like any other, from the policy's next choice."""
+        url = d_choice.instance.url
+        ctx.route = {"prefill": None, "decode": url, "decode_why": d_choice.why,
+                     "prefill_skipped": {"uncached_tokens_est": tail,
+                                         "limit": self.config.skip_prefill_max_tokens}}
+        d_choice.instance.index.record(ctx.hashes)
+        ctx.stamp("dispatched")
+        ctx.stamp("prefill_skipped")
+        self.metrics.prefill_skipped.labels(self.mode).inc()
+        d_choice.instance.in_flight += 1  # until the request is relayed (then the caller ends it)
+        try:
+            return await self._first_output(url, ctx, None, local=True)
+        except BaseException:
+            d_choice.instance.in_flight -= 1
+            raise
+
     async def _prefill_leg(self, url: str, ctx: RequestContext, params: dict) -> UpstreamReply:
         inst = self.p_instances[url]
         inst.in_flight += 1
@@ -608,9 +656,10 @@ class Router:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise LegError("prefill", "bad_reply", f"prefill {url} answered unreadable JSON: {e}") from e
 
-    async def _open_decode(self, url: str, ctx: RequestContext, params: dict | None) -> aiohttp.ClientResponse:
+    async def _open_decode(self, url: str, ctx: RequestContext, params: dict | None,
+                           local: bool = False) -> aiohttp.ClientResponse:
         """D's response with its headers read; its body is relayed later (cancelling closes the connection)."""
-        data = msgspec.json.encode(decode_body(ctx.body, params))
+        data = msgspec.json.encode(local_body(ctx.body) if local else decode_body(ctx.body, params))
         try:
             resp = await self.session.post(url + ctx.path, data=data, headers=_json(ctx.leg_headers()),
                                            timeout=self._decode_timeout)
@@ -629,9 +678,10 @@ class Router:
         raise LegError("decode", "status", f"decode {url} answered {resp.status}",
                        UpstreamAnswer(resp.status, raw, resp.headers.get("Content-Type", "application/json")))
 
-    async def _first_output(self, url: str, ctx: RequestContext, params: dict | None) -> "DecodeOutput":
+    async def _first_output(self, url: str, ctx: RequestContext, params: dict | None,
+                            local: bool = False) -> "DecodeOutput":
         """D's response and the first bytes of its body (for a stream: the first token)."""
-        resp = await self._open_decode(url, ctx, params)
+        resp = await self._open_decode(url, ctx, params, local)
         try:
             first = await resp.content.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:

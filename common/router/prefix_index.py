@@ -19,6 +19,7 @@ import msgspec
 
 CHUNK_CHARS = 256  # ~64 tokens of English or code
 CHUNK_TOKENS = 64
+CHARS_PER_TOKEN = CHUNK_CHARS // CHUNK_TOKENS  # how the router, without a tokenizer, estimates text in tokens
 MAX_CHUNKS = 4096  # per prompt (1M characters): longer prompts are indexed by their first chunks
 DEFAULT_CAPACITY = 1 << 17  # hashes per instance (8 bytes each: ~32 M characters of prefixes)
 
@@ -60,6 +61,29 @@ def prompt_hashes(body: dict, chat: bool) -> list[bytes]:
         return _chain(b"".join(t.to_bytes(4, "little") for t in ids[i:i + CHUNK_TOKENS])
                       for i in range(0, n, CHUNK_TOKENS))
     return []  # batches and other shapes: no prefix routing
+
+
+def estimated_tokens(body: dict, chat: bool) -> int | None:
+    """The prompt's length in tokens: exact for token ids, text bytes / `CHARS_PER_TOKEN` otherwise (the
+    template's own tokens are not counted); None for shapes `prompt_hashes` does not index."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        return len(b"".join(msgspec.json.encode(_sorted(m)) + b"\n" for m in messages)) // CHARS_PER_TOKEN
+    prompt: Any = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass")) // CHARS_PER_TOKEN
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return None
+
+
+def uncached_tokens(prompt_tokens: int | None, matched_chunks: int) -> int | None:
+    """About how many of the prompt's tokens an instance holding `matched_chunks` leading chunks computes."""
+    return None if prompt_tokens is None else max(0, prompt_tokens - matched_chunks * CHUNK_TOKENS)
 
 
 def _sorted(value):

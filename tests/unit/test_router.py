@@ -403,7 +403,8 @@ def conversation(i: int, turns: int) -> str:
 
 @run_async
 async def test_kv_aware_sends_each_follow_up_to_the_decode_holding_its_history():
-    async with cluster_stack(prefills=2, decodes=2) as (client, ps, ds):
+    # skipping the prefill leg off: every turn has both legs, so where each goes is the policy's alone
+    async with cluster_stack(prefills=2, decodes=2, skip_prefill_max_tokens=0) as (client, ps, ds):
         for i in range(4):  # first turns: no history anywhere, spread by rotation
             assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 1)})).status == 200
         first = {leg.body["prompt"]: k for k, d in enumerate(ds) for leg in d.legs}
@@ -418,6 +419,61 @@ async def test_kv_aware_sends_each_follow_up_to_the_decode_holding_its_history()
         why = timelines[-1]["route"]["decode_why"]
         assert why["policy"] == "kv-aware" and why["matched_chunks"] >= 2 and why["chunks"] > why["matched_chunks"]
         assert set(timelines[-1]["route"]) == {"prefill", "decode", "prefill_why", "decode_why"}
+
+
+@run_async
+async def test_a_follow_up_with_a_short_new_tail_goes_to_its_decode_alone():
+    """D probably holds all of turn 2 but its new ~225 tokens (<= the limit): no prefill leg at all, D gets the
+    client's body with no kv_transfer_params (a client's own are dropped) and computes the tail itself; a
+    longer tail (limit 100) keeps both legs."""
+    for limit, skipped in ((256, True), (100, False)):
+        async with cluster_stack(prefills=2, decodes=2, skip_prefill_max_tokens=limit) as (client, ps, ds):
+            for i in range(2):
+                assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 1)})).status == 200
+            assert sum(len(p.legs) for p in ps) == 2
+            body = {"model": "m", "prompt": conversation(0, 2), "kv_transfer_params": {"from": "client"}}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200 and await resp.json() == ANSWER
+            timeline = (await (await client.get("/timelines")).json())[-1]
+            route = timeline["route"]
+            metrics = await (await client.get("/metrics")).text()
+            if skipped:
+                assert sum(len(p.legs) for p in ps) == 2  # no prefill leg for turn 2
+                [leg] = [leg for d in ds for leg in d.legs if leg.body["prompt"] == conversation(0, 2)]
+                assert "kv_transfer_params" not in leg.body
+                assert route["prefill"] is None and 0 < route["prefill_skipped"]["uncached_tokens_est"] <= limit
+                assert "prefill_skipped" in timeline and route["decode_why"]["matched_chunks"] >= 2
+                assert 'kvpush_router_prefill_skipped_total{mode="push"} 1.0' in metrics
+            else:
+                assert sum(len(p.legs) for p in ps) == 3 and "prefill_skipped" not in route
+                assert 'kvpush_router_prefill_skipped_total{mode="push"}' not in metrics
+
+
+@run_async
+async def test_a_failed_decode_only_request_moves_to_another_decode_with_both_legs():
+    async with cluster_stack(prefills=1, decodes=2) as (client, ps, ds):
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(3, 1)})).status == 200
+        holder = next(d for d in ds if d.legs)
+        holder.actions = ["500"]
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": conversation(3, 2)})
+        assert resp.status == 200 and await resp.json() == ANSWER
+        other = next(d for d in ds if d is not holder)
+        assert "kv_transfer_params" not in holder.legs[-1].body  # attempt 0: decode alone
+        assert [leg.params["attempt"] for leg in other.legs] == [1] and len(ps[0].legs) == 2  # attempt 1: both legs
+        timeline = (await (await client.get("/timelines")).json())[-1]
+        assert timeline["attempt"] == 1 and "prefill_skipped" not in timeline["route"]
+
+
+def test_the_router_estimates_what_a_decode_computes():
+    from kvpush_common.router.prefix_index import CHARS_PER_TOKEN, CHUNK_TOKENS, estimated_tokens, uncached_tokens
+
+    assert estimated_tokens({"prompt": "x" * 1000}, False) == 1000 // CHARS_PER_TOKEN
+    assert estimated_tokens({"prompt": ["é" * 10]}, False) == 20 // CHARS_PER_TOKEN  # UTF-8 bytes
+    assert estimated_tokens({"prompt": list(range(300))}, False) == 300
+    assert estimated_tokens({"messages": [{"role": "user", "content": "q" * 400}]}, True) > 400 // CHARS_PER_TOKEN
+    assert estimated_tokens({"prompt": ["a", "b"]}, False) is None and estimated_tokens({"messages": 3}, True) is None
+    assert uncached_tokens(300, 2) == 300 - 2 * CHUNK_TOKENS and uncached_tokens(100, 5) == 0
+    assert uncached_tokens(None, 2) is None
 
 
 @run_async

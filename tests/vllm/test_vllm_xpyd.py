@@ -3,7 +3,8 @@ conversations (issue 14 item 4): turn n+1 extends turn n with its answer and a s
 
 Asserted: every answer equals a single instance's token for token; turns >= 2 go to the decode instance
 holding the conversation, which computes the short new tail itself (no registration, no bytes) and tells
-the prefill instance, whose KV is released at once (never by the lease); with one decode instance killed
+the prefill instance, whose KV is released at once (never by the lease); a router that predicts the short
+tail sends such a turn to that decode instance alone (no prefill instance sees it); with one decode instance killed
 mid-run, every request that had not started streaming completes on the other.  The test that kills runs
 last."""
 
@@ -50,9 +51,11 @@ def cluster():
     router = None
     try:
         wait_healthy(list(servers.values()), timeout=900)
+        # the router never skips the prefill leg here, so a decode instance's own decision is what is tested;
+        # test_the_router_sends_a_short_follow_up_to_its_decode_alone starts a second router that skips it
         router = Router(mode="push", prefill=[servers["P0"].url, servers["P1"].url],
                         decode=[servers["D0"].url, servers["D1"].url], log_dir=work,
-                        extra=["--retries", "2", "--health-interval", "1"])
+                        extra=["--retries", "2", "--health-interval", "1", "--skip-prefill-max-tokens", "0"])
         wait_healthy([router], timeout=180)
         yield {**servers, "router": router, "work": work}
     finally:
@@ -116,6 +119,35 @@ def test_multi_turn_follows_the_history_and_skips_the_prefill(cluster):
             assert released[0]["t"] - max(ready[0], told[0]) < FAST["heartbeat_s"], mine
         else:  # D reached the request only after P's lease (4 servers on 2 cores starve each other for seconds)
             assert [e["outcome"] for e in released] == ["expired"], mine
+
+
+def test_the_router_sends_a_short_follow_up_to_its_decode_alone(cluster):
+    """Default router (skips the prefill leg when its prefix index leaves <= 256 estimated tokens on the chosen
+    decode instance): turn 2 never reaches a prefill instance, and the answer is still exact."""
+    router = Router(mode="push", prefill=[cluster["P0"].url, cluster["P1"].url],
+                    decode=[cluster["D0"].url, cluster["D1"].url], log_dir=cluster["work"], name="router-skipping",
+                    extra=["--health-interval", "1"])
+    try:
+        wait_healthy([router], timeout=180)
+        t0 = time.time()
+        convs = [f"# skipping {i}\n" + BLOCK * 12 for i in range(2)]
+        for turn in range(2):
+            for i, prompt in enumerate(convs):
+                status, body = post_json(router.url + "/v1/completions", {**GEN, "prompt": prompt}, timeout=300)
+                assert status == 200, body
+                text = body["choices"][0]["text"]
+                assert text == reference(cluster, prompt), (i, turn)
+                convs[i] = prompt + text + f"\n# step {turn + 1}: and now?\n"
+        timelines = [t for t in get_json(router.url + "/timelines") if t["arrival_unix"] >= t0]
+        first, later = timelines[:2], timelines[2:]
+        assert all("prefill_skipped" not in t and t["route"]["prefill"] for t in first), first
+        assert all("prefill_skipped" in t and t["route"]["prefill"] is None for t in later), later
+        assert [t["route"]["decode"] for t in later] == [t["route"]["decode"] for t in first]
+        ev = read_events(cluster["work"] / "events")
+        for t in later:  # no prefill instance heard of it, and the decode instance had nothing to receive
+            assert [e for e in ev if e["tid"] == t["transfer_id"]] == [], t
+    finally:
+        router.stop()
 
 
 def test_a_killed_decode_instance_loses_no_request_that_had_not_started(cluster):

