@@ -41,10 +41,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=router.POLICIES, default="kv-aware",
                    help="how prefill and decode instances are chosen: kv-aware (the least to compute given what "
                         "each probably caches, against its load) or round-robin (default: %(default)s)")
-    p.add_argument("--skip-prefill-max-tokens", type=int, default=256, metavar="N",
+    p.add_argument("--skip-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="push/pull: send a request to the decode instance alone when it probably caches all of the "
-                        "prompt but at most N tokens (estimated: token ids exactly, text as bytes/4); 0: never "
-                        "(default: %(default)s)")
+                        "prompt but at most N tokens (estimated: token ids exactly, text as bytes/4), e.g. 256 for "
+                        "multi-turn chat; 0: never (default: %(default)s)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="push: skip the start-up request that makes each decode instance handshake with each prefill")
     p.set_defaults(run=_run_router)

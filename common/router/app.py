@@ -59,8 +59,9 @@ class RouterConfig:
     warm_up: bool = True  # push: one tiny request per (prefill, decode) pair at start-up (handshakes early)
     policy: str = "kv-aware"  # router/policy.py: kv-aware or round-robin
     # kvpush modes: no prefill leg when the chosen decode instance probably holds all of the prompt but at most
-    # this many tokens (prefix index estimate); it computes them itself.  0: every request has both legs
-    skip_prefill_max_tokens: int = 256
+    # this many tokens (prefix index estimate); it computes them itself.  0 (default): every request has both
+    # legs, so `push` means push (benchmarks of the transfer stay that); chat traffic: e.g. 256
+    skip_prefill_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

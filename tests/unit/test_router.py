@@ -403,8 +403,8 @@ def conversation(i: int, turns: int) -> str:
 
 @run_async
 async def test_kv_aware_sends_each_follow_up_to_the_decode_holding_its_history():
-    # skipping the prefill leg off: every turn has both legs, so where each goes is the policy's alone
-    async with cluster_stack(prefills=2, decodes=2, skip_prefill_max_tokens=0) as (client, ps, ds):
+    # skipping the prefill leg off (the default): every turn has both legs; where each goes is the policy's alone
+    async with cluster_stack(prefills=2, decodes=2) as (client, ps, ds):
         for i in range(4):  # first turns: no history anywhere, spread by rotation
             assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(i, 1)})).status == 200
         first = {leg.body["prompt"]: k for k, d in enumerate(ds) for leg in d.legs}
@@ -451,7 +451,7 @@ async def test_a_follow_up_with_a_short_new_tail_goes_to_its_decode_alone():
 
 @run_async
 async def test_a_failed_decode_only_request_moves_to_another_decode_with_both_legs():
-    async with cluster_stack(prefills=1, decodes=2) as (client, ps, ds):
+    async with cluster_stack(prefills=1, decodes=2, skip_prefill_max_tokens=256) as (client, ps, ds):
         assert (await client.post("/v1/completions", json={"model": "m", "prompt": conversation(3, 1)})).status == 200
         holder = next(d for d in ds if d.legs)
         holder.actions = ["500"]

@@ -51,8 +51,8 @@ def cluster():
     router = None
     try:
         wait_healthy(list(servers.values()), timeout=900)
-        # the router never skips the prefill leg here, so a decode instance's own decision is what is tested;
-        # test_the_router_sends_a_short_follow_up_to_its_decode_alone starts a second router that skips it
+        # the router never skips the prefill leg here (its default), so a decode instance's own decision is
+        # what is tested; test_the_router_sends_a_short_follow_up_to_its_decode_alone starts a router that does
         router = Router(mode="push", prefill=[servers["P0"].url, servers["P1"].url],
                         decode=[servers["D0"].url, servers["D1"].url], log_dir=work,
                         extra=["--retries", "2", "--health-interval", "1", "--skip-prefill-max-tokens", "0"])
@@ -122,11 +122,11 @@ def test_multi_turn_follows_the_history_and_skips_the_prefill(cluster):
 
 
 def test_the_router_sends_a_short_follow_up_to_its_decode_alone(cluster):
-    """Default router (skips the prefill leg when its prefix index leaves <= 256 estimated tokens on the chosen
-    decode instance): turn 2 never reaches a prefill instance, and the answer is still exact."""
+    """A router that skips the prefill leg when its prefix index leaves <= 256 estimated tokens on the chosen
+    decode instance: turn 2 never reaches a prefill instance, and the answer is still exact."""
     router = Router(mode="push", prefill=[cluster["P0"].url, cluster["P1"].url],
                     decode=[cluster["D0"].url, cluster["D1"].url], log_dir=cluster["work"], name="router-skipping",
-                    extra=["--health-interval", "1"])
+                    extra=["--health-interval", "1", "--skip-prefill-max-tokens", "256"])
     try:
         wait_healthy([router], timeout=180)
         t0 = time.time()

@@ -99,7 +99,7 @@ def run_mode(mode: str, model: Path, work: Path, convs: list, stagger_s: float, 
     try:
         wait_healthy(servers, timeout=900, progress=lambda m: print(f"\r[{mode}] {m}   ", end="", flush=True))
         router_mode = "single" if mode.startswith("single") else ("push" if mode.startswith("push") else mode)
-        skip = ["--skip-prefill-max-tokens", "0"] if mode == "push-noreuse" else []
+        skip = ["--skip-prefill-max-tokens", "256" if mode == "push-reuse" else "0"] if mode.startswith("push") else []
         r = Router(mode=router_mode, prefill=[p.url for p in ps], decode=[d.url for d in ds], log_dir=work,
                    extra=["--request-timeout", str(limit_s), *skip], name=f"router-{mode}")
         procs.append(r)
