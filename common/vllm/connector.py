@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.vllm import compat
+from kvpush_common.vllm.logs import share_vllm_handlers
 from kvpush_common.vllm.metadata import KVPushMetadata
 from kvpush_common.vllm.scheduler import SchedulerSide
 from kvpush_common.vllm.settings import ConnectorSettings
@@ -21,6 +22,7 @@ from kvpush_common.vllm.worker import WorkerSide
 class KVPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        share_vllm_handlers()
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
