@@ -1,0 +1,34 @@
+"""The GPU multi-turn benchmark's statistics (scripts/bench/gpu/multiturn_gpu.py): per-mode rows from requests
+and router timelines, and the summary ratios the README quotes."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("multiturn_gpu", ROOT / "scripts/bench/gpu/multiturn_gpu.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def req(turn, ttft, tpot=0.005, outcome="ok", exact=True):
+    return {"turn": turn, "ttft_s": ttft, "tpot_s": tpot, "outcome": outcome, "exact": exact}
+
+
+def test_rows_count_turns_skips_and_failures():
+    flat = [req(1, 0.2), req(2, 0.02), req(3, 0.04), req(2, None, None, "hung", False)]
+    timelines = [{"dispatched": 0.1}, {"prefill_skipped": 0.1}, {"prefill_skipped": 0.1}, {"prefill_cancelled": 9}]
+    row = bench.mode_stats("push-reuse", flat, timelines, 0.0)
+    assert (row["requests"], row["requests_turn2plus"], row["ok"], row["hung"], row["exact"]) == (4, 3, 3, 1, 3)
+    assert row["ttft_p50_turn1_ms"] == 200.0 and row["ttft_p50_turn2plus_ms"] in (20.0, 30.0, 40.0)
+    assert (row["prefill_legs_skipped"], row["prefill_legs_cancelled"]) == (2, 1)
+
+
+def test_summary_ratios_are_against_single_and_vllm_push():
+    rows = {"single": {"ttft_p50_turn2plus_ms": 28.0, "tpot_p50_ms": 5.0, "exact": 4, "requests": 4},
+            "push-reuse": {"ttft_p50_turn2plus_ms": 25.2, "tpot_p50_ms": 5.5, "exact": 4, "requests": 4,
+                           "requests_turn2plus": 3, "prefill_legs_skipped": 3, "prefill_legs_cancelled": 0},
+            "nixl-push": {"ttft_p50_turn2plus_ms": 84.0, "tpot_p50_ms": 5.0, "exact": 3, "requests": 4}}
+    s = bench.summary(rows)
+    assert s["ttft_p50_turn2plus_over_single"] == 0.9 and s["ttft_p50_turn2plus_push_over_nixl_push"] == 0.3
+    assert s["tpot_p50_push_reuse_over_single"] == 1.1 and s["ttft_p50_turn2plus_noreuse_over_reuse"] is None
+    assert s["prefill_legs_skipped_fraction"] == 1.0 and s["exact_fraction"] == round(11 / 12, 4)
