@@ -20,6 +20,7 @@ class KVReady:
     key: TransferKey
     ready: ReadyKV
     consumer_tp: int | None = None  # known: a rank that no consumer rank reads from releases at once
+    enqueued_at: float | None = None  # the endpoint's clock on the engine thread: the wake-up stage starts here
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class ProducerEndpoint(Endpoint):
         (head replication), the KV is released at once."""
         fence = None if written else self.backend.mark_kv_written()
         ready = ReadyKV(tuple(map(int, block_ids)), int(num_tokens), fence)
-        self._enqueue(KVReady(TransferKey(transfer_id, attempt), ready, consumer_tp))
+        self._enqueue(KVReady(TransferKey(transfer_id, attempt), ready, consumer_tp, self.clock()))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
@@ -163,7 +163,10 @@ class ProducerEndpoint(Endpoint):
                 return self.rendezvous.on_unread(item.key, item.ready, now,
                                                  f"no rank of a TP-{item.consumer_tp} consumer reads from "
                                                  f"producer rank {self.cfg.rank}")
-            self._ready_at[item.key] = now
+            taken = self.clock()
+            if item.enqueued_at is not None:
+                self.stats.stage_seconds.labels(stage="wake").observe(max(0.0, taken - item.enqueued_at))
+            self._ready_at[item.key] = item.enqueued_at if item.enqueued_at is not None else now  # handoff from here
             return self.rendezvous.on_ready(item.key, item.ready, now)
         elif isinstance(item, LocalAbort):
             return self.rendezvous.on_local_abort(item.key, item.reason, now)
@@ -266,6 +269,7 @@ class ProducerEndpoint(Endpoint):
             return []
         self._inflight.remove(item)
         t_post = self.clock()
+        fence_s = max(0.0, t_post - item.posted_at)  # posted_at of an AwaitingFence: when the write started
         peer = self._peers.get(a.dest)
         if peer is None or not self._same_incarnation(a, peer):  # it restarted while we waited for the fence
             return self._fail_write(a, "unknown_consumer", "consumer rank restarted since it registered", now)
@@ -274,6 +278,7 @@ class ProducerEndpoint(Endpoint):
         route = self._route_to(peer)
         staged = self._staged_plan(a, peer, route)
         if staged is not None:
+            self.stats.stage_seconds.labels(stage="fence").observe(fence_s)
             push = StagedPush(a, t_post, item.deadline, staged.src_blocks.size * staged.nbytes_per_block, staged)
             self._inflight.append(push)
             self.event("posted", a.key, consumer_rank=peer.rank, nbytes=push.nbytes, descs=staged.chunks, staged=True)
@@ -288,6 +293,7 @@ class ProducerEndpoint(Endpoint):
         except PlanError as e:
             return self._fail_write(a, "bad_registration", str(e), now)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
+        t_planned = self.clock()
         try:
             if isinstance(plan, BlockPlan):
                 handle = self.transport.post_prepped("WRITE", prepped[0], plan.local_idx, prepped[1],
@@ -297,8 +303,13 @@ class ProducerEndpoint(Endpoint):
                                              peer.layout.mem_type, notif)
         except TransportError as e:
             return self._fail_write(a, "post_failed", str(e), now)
+        t_posted = self.clock()
         self._inflight.append(DirectWrite(a, t_post, item.deadline, plan.nbytes, handle))
-        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs)
+        stages = {"fence": fence_s, "plan": t_planned - t_post, "post": t_posted - t_planned}
+        for stage, seconds in stages.items():
+            self.stats.stage_seconds.labels(stage=stage).observe(seconds)
+        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs,
+                   **{f"{stage}_ms": round(seconds * 1e3, 3) for stage, seconds in stages.items()})
         self.stats.writes_posted.inc()
         if isinstance(plan, BlockPlan):
             self.stats.writes_prepped.inc()

@@ -239,8 +239,9 @@ class Peer:
         counts = {}
         for metric in self.ep.stats.registry.collect():
             for s in metric.samples:
-                if s.name.endswith("_total"):
-                    label = s.labels.get("code") or s.labels.get("reason") or s.labels.get("outcome")
+                if s.name.endswith(("_total", "_count")):  # counters, and how often each histogram observed
+                    label = (s.labels.get("code") or s.labels.get("reason") or s.labels.get("outcome")
+                             or s.labels.get("stage"))
                     counts[s.name + (f"[{label}]" if label else "")] = s.value
         faults = dict(getattr(self.ep.transport, "counts", {}))
         return {"counters": counts, "faults": faults}

@@ -213,6 +213,9 @@ def test_push_either_order(cluster, order, path):
     assert set(dirty(cl.consumers[0])) == set(d_blocks)  # nothing outside the destination blocks
     counters = cl.producers[0].call("stats")["counters"]
     assert counters["kvpush_writes_prepped_total"] == (1 if path == "prepped" else 0)
+    # where the time from KV ready to the posted WRITE went (issue 15): each stage timed once for this one WRITE
+    for stage in ("wake", "fence", "plan", "post"):
+        assert counters[f"kvpush_write_stage_seconds_count[{stage}]"] == 1, (stage, counters)
 
 
 @pytest.mark.parametrize("path", PATHS)
