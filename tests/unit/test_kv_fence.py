@@ -38,7 +38,7 @@ class Backend:
 def producer_kv_ready(fence: str) -> tuple[Backend, list]:
     """What the producer endpoint queues when the vLLM worker hook hands it a finished prefill."""
     backend, queued = Backend(), []
-    endpoint = SimpleNamespace(backend=backend, _enqueue=queued.append, event=lambda *a, **k: None)
+    endpoint = SimpleNamespace(backend=backend, _enqueue=queued.append, event=lambda *a, **k: None, clock=lambda: 1.0)
     endpoint.kv_ready = lambda *args: ProducerEndpoint.kv_ready(endpoint, *args)
     side = WorkerSide(ConnectorSettings.from_vllm(vllm_config(kv_fence=fence)), 0, make_backend=None)
     side.endpoint = endpoint
