@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.router.load import parse_vllm_load
-from kvpush_common.router.policy import POLICIES, Instance, make_policy
+from kvpush_common.router.policy import POLICIES, Choice, Instance, make_policy
 from kvpush_common.router.prefix_index import estimated_tokens, prompt_hashes, uncached_tokens
 
 log = logging.getLogger(__name__)
@@ -610,7 +610,7 @@ class Router:
         tail = uncached_tokens(ctx.prompt_tokens, matched)
         return tail if matched and tail is not None and tail <= limit else None
 
-    async def _decode_only(self, ctx: RequestContext, d_choice, tail: int) -> "DecodeOutput":
+    async def _decode_only(self, ctx: RequestContext, d_choice: Choice, tail: int) -> "DecodeOutput":
         """D probably caches all of the prompt but a short tail: it computes that itself, so no prefill instance
         computes or holds anything.  A stale hint (D evicted the prefix) costs D a longer prefill, never a
         wrong answer; a decode failure is retried like any other, from the policy's next choice."""
