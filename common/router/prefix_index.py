@@ -48,7 +48,7 @@ def prompt_hashes(body: dict, chat: bool) -> list[bytes]:
             return []
         # each message as the same bytes whatever key order the client used; the template's own text is
         # the same for every request, so it shifts nothing between requests
-        canon = b"".join(msgspec.json.encode(_sorted(m)) + b"\n" for m in messages)
+        canon = _chat_bytes(messages)
         return _chain(canon[i:i + CHUNK_CHARS] for i in range(0, len(canon) - CHUNK_CHARS + 1, CHUNK_CHARS))
     prompt: Any = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -70,7 +70,7 @@ def estimated_tokens(body: dict, chat: bool) -> int | None:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return None
-        return len(b"".join(msgspec.json.encode(_sorted(m)) + b"\n" for m in messages)) // CHARS_PER_TOKEN
+        return len(_chat_bytes(messages)) // CHARS_PER_TOKEN
     prompt: Any = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -84,6 +84,11 @@ def estimated_tokens(body: dict, chat: bool) -> int | None:
 def uncached_tokens(prompt_tokens: int | None, matched_chunks: int) -> int | None:
     """About how many of the prompt's tokens an instance holding `matched_chunks` leading chunks computes."""
     return None if prompt_tokens is None else max(0, prompt_tokens - matched_chunks * CHUNK_TOKENS)
+
+
+def _chat_bytes(messages: list) -> bytes:
+    """Each message as the same bytes whatever key order the client used."""
+    return b"".join(msgspec.json.encode(_sorted(m)) + b"\n" for m in messages)
 
 
 def _sorted(value):

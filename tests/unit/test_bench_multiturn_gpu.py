@@ -32,3 +32,38 @@ def test_summary_ratios_are_against_single_and_vllm_push():
     assert s["ttft_p50_turn2plus_over_single"] == 0.9 and s["ttft_p50_turn2plus_push_over_nixl_push"] == 0.3
     assert s["tpot_p50_push_reuse_over_single"] == 1.1 and s["ttft_p50_turn2plus_noreuse_over_reuse"] is None
     assert s["prefill_legs_skipped_fraction"] == 1.0 and s["exact_fraction"] == round(11 / 12, 4)
+
+
+def test_stream_one_collects_token_ids_and_counts_tokens_by_them():
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    chunks = [{"choices": [{"text": "", "token_ids": None}]},  # no token yet (a role/usage chunk): not the first
+              {"choices": [{"text": "ab", "token_ids": [5, 6]}]}, {"choices": [{"text": "", "token_ids": [7]}]}]
+    seen = []
+
+    class SSE(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for c in chunks:
+                self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SSE)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        r = bench.stream_one(url, [1, 2, 3], 8, 10.0, token_ids=True)
+        assert seen[0]["return_token_ids"] is True and r["outcome"] == "ok"
+        assert r["ids"] == [5, 6, 7] and r["text"] == "ab" and r["ttft_s"] is not None
+        plain = bench.stream_one(url, [1, 2, 3], 8, 10.0)
+        assert "return_token_ids" not in seen[1] and "ids" not in plain
+    finally:
+        server.shutdown()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_gpu import (ROOT, SHAPES, VOCAB, Cluster, Proc, get, kv_config, make_model, quantile,  # noqa: E402
-                      scrape, wait_healthy)
+                      scrape, stream_one, wait_healthy)
 
 MODES = ("single", "push-reuse", "push-noreuse", "nixl-push")
 
@@ -49,50 +49,6 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
-
-
-def stream_ids(url: str, prompt: list[int], max_tokens: int, limit_s: float) -> dict:
-    """One streaming completion with return_token_ids: TTFT (first chunk with a token), TPOT
-    ((last - first) / (tokens - 1)), the answer's token ids and text, outcome (as vllm_gpu.stream_one)."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    first = last = None
-    text: list[str] = []
-    ids: list[int] = []
-    saw_ids = False
-    outcome = "ok"
-    try:
-        with urllib.request.urlopen(req, timeout=limit_s) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    outcome = "failed"
-                    break
-                choice = chunk["choices"][0]
-                piece, delta = choice.get("text") or "", choice.get("token_ids")
-                if delta is not None:
-                    saw_ids = True
-                    ids.extend(delta)
-                if not piece and not delta:
-                    continue
-                now = time.monotonic()
-                if first is None:
-                    first = now
-                last = now
-                text.append(piece)
-    except Exception as e:  # noqa: BLE001 - any transport error ends this request
-        outcome = "hung" if "timed out" in str(e) else "failed"
-    n = len(ids) if saw_ids else max_tokens
-    ttft = None if first is None else first - t0
-    tpot = None if first is None or n < 2 or last == first else (last - first) / (n - 1)
-    return {"outcome": outcome if first is not None or outcome != "ok" else "failed", "ttft_s": ttft,
-            "tpot_s": tpot, "text": "".join(text), "ids": ids if saw_ids else None, "e2e_s": time.monotonic() - t0}
 
 
 def answer_ids_logprobs(url: str, prompt: list[int], max_tokens: int, limit_s: float) -> list[int]:
@@ -110,7 +66,7 @@ def build_conversations(url: str, args) -> tuple[list[list[dict]], str]:
     for _ in range(args.conversations):
         prompt, conv = [rng.randrange(16, VOCAB) for _ in range(args.first_tokens)], []
         for _ in range(args.turns):
-            r = stream_ids(url, prompt, args.answer_tokens, args.limit_s)
+            r = stream_one(url, prompt, args.answer_tokens, args.limit_s, token_ids=True)
             if r["outcome"] != "ok":
                 raise RuntimeError(f"reference request failed: {r['outcome']}")
             ids = r["ids"]
@@ -162,7 +118,7 @@ def converse_all(url: str, convs: list, args) -> list[dict]:
     def converse(i: int) -> None:
         time.sleep(i * args.stagger_s)
         for t, turn in enumerate(convs[i]):
-            r = stream_ids(url, turn["prompt"], args.answer_tokens, args.limit_s)
+            r = stream_one(url, turn["prompt"], args.answer_tokens, args.limit_s, token_ids=True)
             exact = r["outcome"] == "ok" and (r["ids"] == turn["ids"] if r["ids"] is not None else r["text"] == turn["text"])
             rows[i].append({"conv": i, "turn": t + 1, "prompt_tokens": len(turn["prompt"]), "outcome": r["outcome"],
                             "exact": exact, "compared": "token_ids" if r["ids"] is not None else "text",
@@ -209,7 +165,7 @@ def run_mode(cluster: Cluster, mode: str, convs: list, args, single: Proc | None
             procs.append(router(cluster, mode, p, d))
             wait_healthy(procs[-1:], 300)
         url = procs[-1].url
-        w = stream_ids(url, warm, 4, args.limit_s)  # warm-up (NIXL handshakes), not a conversation's prefix
+        w = stream_one(url, warm, 4, args.limit_s, token_ids=True)  # warm-up (NIXL handshakes), not a conversation's prefix
         print(f"[mt] {mode} warm-up {w['outcome']} ttft {w['ttft_s']}", flush=True)
         t_start = time.time()
         flat = converse_all(url, convs, args)

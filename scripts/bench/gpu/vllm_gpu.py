@@ -292,18 +292,22 @@ class Cluster:
 
 # ---- client ---------------------------------------------------------------------------------------
 
-def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float, cut_at: float | None = None) -> dict:
+def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float, cut_at: float | None = None,
+               token_ids: bool = False) -> dict:
     """One streaming completion: TTFT (first text), TPOT ((last - first) / (tokens - 1)), text, outcome.
 
     `cut_at` (monotonic): the point's time budget; a request still running then is `cut` (the mode is
-    saturated at this point), not `hung` (no answer within `limit_s`)."""
+    saturated at this point), not `hung` (no answer within `limit_s`).  `token_ids`: ask vLLM for the
+    answer's token ids too (`return_token_ids`; `ids`, None when the server sent none), and count tokens by them."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **({"return_token_ids": True} if token_ids else {})}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.monotonic()
     first = last = None
     text: list[str] = []
+    ids: list[int] = []
+    saw_ids = False
     outcome = "ok"
     cut = cut_at is not None and cut_at - t0 < limit_s
     try:
@@ -318,7 +322,14 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float, cut
                 if "error" in chunk:
                     outcome = "failed"
                     break
-                piece = chunk["choices"][0].get("text") or ""
+                choice = chunk["choices"][0]
+                piece = choice.get("text") or ""
+                if token_ids:
+                    delta = choice.get("token_ids")
+                    saw_ids = saw_ids or delta is not None
+                    ids.extend(delta or ())
+                    if not piece and not delta:
+                        continue
                 now = time.monotonic()
                 if first is None:
                     first = now
@@ -326,10 +337,14 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, limit_s: float, cut
                 text.append(piece)
     except Exception as e:  # noqa: BLE001 - any transport error ends this request
         outcome = ("cut" if cut else "hung") if "timed out" in str(e) else "failed"
+    n = len(ids) if saw_ids else max_tokens
     ttft = None if first is None else first - t0
-    tpot = None if first is None or max_tokens < 2 or last == first else (last - first) / (max_tokens - 1)
-    return {"outcome": outcome if first is not None or outcome != "ok" else "failed", "ttft_s": ttft,
-            "tpot_s": tpot, "text": "".join(text), "e2e_s": time.monotonic() - t0}
+    tpot = None if first is None or n < 2 or last == first else (last - first) / (n - 1)
+    out = {"outcome": outcome if first is not None or outcome != "ok" else "failed", "ttft_s": ttft,
+           "tpot_s": tpot, "text": "".join(text), "e2e_s": time.monotonic() - t0}
+    if token_ids:
+        out["ids"] = ids if saw_ids else None
+    return out
 
 
 def run_point(url: str, prompts: list[list[int]], arrivals: list[float], max_tokens: int, limit_s: float,
