@@ -269,8 +269,28 @@ class Prefill:
 
 @dataclass
 class Health:
+    """What the health loop last learned of one upstream.  A refusal or an error status takes it out at once;
+    a busy instance on a starved host answers one probe late, so only two timeouts in a row do."""
+
     last_ok: float | None = None
     error: str = "not checked yet"
+    down: bool = True  # the last probe was refused or answered an error status (or none answered yet)
+    timeouts: int = 0  # consecutive probes that timed out
+
+    def record(self, now: float, error: str | None, timed_out: bool) -> None:
+        if error is None:
+            self.last_ok, self.down, self.timeouts = now, False, 0
+            return
+        self.error = error
+        if timed_out:
+            self.timeouts += 1
+        else:
+            self.down = True
+
+    def ok(self, now: float, stale_after_s: float) -> bool:
+        """Usable now: answered lately, not refused since, and not late twice in a row."""
+        return (not self.down and self.timeouts < 2 and self.last_ok is not None
+                and self.last_ok >= now - stale_after_s)
 
 
 # ---- the router ---------------------------------------------------------------------------------------
@@ -410,31 +430,38 @@ class Router:
             await asyncio.sleep(min(1.0, max(0.0, deadline - now)))
 
     # -- health
-    async def _probe_health(self, url: str) -> str | None:
-        """Why `url` is not healthy now, or None when its /health answered 200."""
-        timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
+    @property
+    def _probe_timeout_s(self) -> float:
+        return min(5.0, self.config.health_interval_s * 2)
+
+    @property
+    def _stale_after_s(self) -> float:
+        """Older than three of the health loop's longest rounds (sleep + a probe timing out): the loop stalled."""
+        return 3 * (self.config.health_interval_s + self._probe_timeout_s)
+
+    async def _probe_health(self, url: str) -> tuple[str | None, bool]:
+        """Why `url` is not healthy now (None when its /health answered 200), and whether the probe timed out."""
+        timeout = aiohttp.ClientTimeout(total=self._probe_timeout_s)
         try:
             async with self.session.get(f"{url}/health", timeout=timeout) as resp:
-                return None if resp.status == 200 else f"/health answered {resp.status}"
+                return (None if resp.status == 200 else f"/health answered {resp.status}"), False
         except asyncio.TimeoutError:
-            return "/health timed out"
+            return "/health timed out", True
         except aiohttp.ClientError as e:
-            return f"/health failed: {e}"
+            return f"/health failed: {e}", False
 
     async def _check_health(self) -> None:
-        errors = await asyncio.gather(*(self._probe_health(u) for u in self.health))
+        """Probes every upstream's /health and, for the kv-aware policy, reads its /metrics, all at once (one
+        round lasts at most one probe timeout)."""
+        scrapes = [self._scrape_load(u) for u in self.health] if self.config.policy == "kv-aware" else []
+        results = await asyncio.gather(*(self._probe_health(u) for u in self.health), *scrapes)
         now = time.monotonic()
-        for url, error in zip(self.health, errors):
-            if error is None:
-                self.health[url].last_ok = now
-            else:
-                self.health[url].error = error
-        if self.config.policy == "kv-aware":
-            await asyncio.gather(*(self._scrape_load(u) for u in self.health))
+        for url, (error, timed_out) in zip(self.health, results):
+            self.health[url].record(now, error, timed_out)
 
     async def _scrape_load(self, url: str) -> None:
         """The instance's queue and KV-cache use from its /metrics (the kv-aware policy's load term)."""
-        timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
+        timeout = aiohttp.ClientTimeout(total=self._probe_timeout_s)
         try:
             async with self.session.get(f"{url}/metrics", timeout=timeout) as resp:
                 load = parse_vllm_load(await resp.text()) if resp.status == 200 else {}
@@ -448,9 +475,9 @@ class Router:
 
     def _healthy(self, instances: list[Instance], avoid: set[str] = frozenset()) -> list[Instance]:
         """The instances to choose from: healthy ones not to avoid; else any not to avoid; else all."""
-        fresh = time.monotonic() - 3 * self.config.health_interval_s
+        now = time.monotonic()
         usable = [i for i in instances if i.url not in avoid]
-        healthy = [i for i in usable if (self.health[i.url].last_ok or 0.0) >= fresh]
+        healthy = [i for i in usable if self.health[i.url].ok(now, self._stale_after_s)]
         return healthy or usable or instances
 
     async def _health_loop(self) -> None:
@@ -460,8 +487,8 @@ class Router:
 
     # -- HTTP handlers
     async def handle_health(self, request: web.Request) -> web.Response:
-        fresh = time.monotonic() - 3 * self.config.health_interval_s
-        failed = {u: h.error for u, h in self.health.items() if h.last_ok is None or h.last_ok < fresh}
+        now = time.monotonic()
+        failed = {u: h.error for u, h in self.health.items() if not h.ok(now, self._stale_after_s)}
         if failed:
             return web.json_response({"status": "unhealthy", "failed": failed}, status=503)
         return web.json_response({"status": "ok", "upstreams": list(self.health)})

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvpush_common.router.prefix_index import prompt_hashes
 from kvpush_common.router.app import (
-    NixlProducer, ROUTER_KEY, RouterConfig, StartupError, build_app, decode_body, nixl_prefill_params, nixl_push_decode_params,
+    Health, NixlProducer, ROUTER_KEY, RouterConfig, StartupError, build_app, decode_body, nixl_prefill_params, nixl_push_decode_params,
     prefill_body, push_decode_params, push_prefill_params,
 )
 from kvpush_common.protocol.legs import ProducerIdentity
@@ -587,6 +587,25 @@ def test_policy_choice_trades_cached_prefix_against_load():
 
 
 # ---- health, metrics, start-up ----------------------------------------------------------------------
+
+def test_one_late_health_probe_keeps_an_instance_two_take_it_out():
+    """A busy instance on a starved host answers one probe late: it keeps its requests (and the prefix it
+    holds); a second timeout in a row, a refusal or an error status takes it out; an answer brings it back."""
+    h = Health()
+    assert not h.ok(0.0, 10.0)  # never answered
+    h.record(1.0, None, False)
+    assert h.ok(1.0, 10.0)
+    h.record(2.0, "/health timed out", True)
+    assert h.ok(2.0, 10.0) and h.error == "/health timed out"
+    h.record(3.0, "/health timed out", True)
+    assert not h.ok(3.0, 10.0)
+    h.record(4.0, None, False)
+    assert h.ok(4.0, 10.0)
+    h.record(5.0, "/health answered 500", False)
+    assert not h.ok(5.0, 10.0)
+    h.record(6.0, None, False)
+    assert h.ok(6.0, 10.0) and not h.ok(16.5, 10.0)  # no round finished for longer than stale_after: stalled
+
 
 @run_async
 async def test_health_follows_the_upstreams():
