@@ -418,7 +418,7 @@ class Router:
     async def _wait_healthy(self, url: str, deadline: float) -> None:
         next_log = 0.0
         while True:
-            error = await self._probe_health(url)
+            error, _ = await self._probe_health(url)
             if error is None:
                 return
             now = time.monotonic()
