@@ -10,6 +10,7 @@ last."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
@@ -140,8 +141,9 @@ def test_the_router_sends_a_short_follow_up_to_its_decode_alone(cluster):
                 convs[i] = prompt + text + f"\n# step {turn + 1}: and now?\n"
         timelines = [t for t in get_json(router.url + "/timelines") if t["arrival_unix"] >= t0]
         first, later = timelines[:2], timelines[2:]
-        assert all("prefill_skipped" not in t and t["route"]["prefill"] for t in first), first
-        assert all("prefill_skipped" in t and t["route"]["prefill"] is None for t in later), later
+        routes = json.dumps([t["route"] for t in timelines])  # the whole of each choice when an assert fails
+        assert all("prefill_skipped" not in t and t["route"]["prefill"] for t in first), routes
+        assert all("prefill_skipped" in t and t["route"]["prefill"] is None for t in later), routes
         assert [t["route"]["decode"] for t in later] == [t["route"]["decode"] for t in first]
         ev = read_events(cluster["work"] / "events")
         for t in later:  # no prefill instance heard of it, and the decode instance had nothing to receive
