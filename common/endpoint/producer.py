@@ -158,14 +158,15 @@ class ProducerEndpoint(Endpoint):
             except TransportError as e:
                 log.warning("could not add consumer %s: %s", item.hello.agent_name, e)
         elif isinstance(item, KVReady):
-            self.event("kv_ready", item.key)
+            taken = self.clock()
+            wake_s = max(0.0, taken - item.enqueued_at) if item.enqueued_at is not None else None
+            self.event("kv_ready", item.key, **({} if wake_s is None else {"wake_ms": round(wake_s * 1e3, 3)}))
             if item.consumer_tp is not None and not self._routes(item.consumer_tp):
                 return self.rendezvous.on_unread(item.key, item.ready, now,
                                                  f"no rank of a TP-{item.consumer_tp} consumer reads from "
                                                  f"producer rank {self.cfg.rank}")
-            taken = self.clock()
-            if item.enqueued_at is not None:
-                self.stats.stage_seconds.labels(stage="wake").observe(max(0.0, taken - item.enqueued_at))
+            if wake_s is not None:
+                self.stats.stage_seconds.labels(stage="wake").observe(wake_s)
             self._ready_at[item.key] = item.enqueued_at if item.enqueued_at is not None else now  # handoff from here
             return self.rendezvous.on_ready(item.key, item.ready, now)
         elif isinstance(item, LocalAbort):

@@ -33,9 +33,15 @@ from kvpush_common.endpoint.events import read_events  # noqa: E402
 GEO = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2)
 
 
+def _p50(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
 def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool,
-             poll_s: float = 0.0002) -> list[dict]:
-    """One producer/consumer pair; every size x arrangement `reps` times after a warm-up; rows of medians."""
+             poll_s: float = 0.0002, kind: str = "cuda") -> list[dict]:
+    """One producer/consumer pair; every size x arrangement `reps` times after a warm-up; rows of medians.
+    `kind` "host" puts both slabs in host memory (the CPU twin of the same run)."""
     nblocks = 2 * max(tokens) // block + 8
     events = Path(tempfile.mkdtemp(prefix="kvpush-frag-"))
     env = {"KVPUSH_EVENT_DIR": str(events)}
@@ -45,9 +51,11 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
     out = []
     try:
         port = p.call("start", role="producer", cfg=dict(engine_id="P", total_kv_heads=1, **cfg),
-                      backend=dict(kind="cuda", num_blocks=nblocks, device=0, block_size=block, **GEO))["port"]
+                      backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **GEO,
+                                   **({"device": 0} if kind == "cuda" else {})))["port"]
         d.call("start", role="consumer", cfg=dict(engine_id="D", total_kv_heads=1, **cfg),
-               backend=dict(kind="cuda", num_blocks=nblocks, device=1 if two else 0, block_size=block, **GEO))
+               backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **GEO,
+                            **({"device": 1 if two else 0} if kind == "cuda" else {})))
         ref = dict(engine_id="P", host="127.0.0.1", port=port, tp_size=1)
         rng = np.random.default_rng(block)
         n = 0
@@ -82,7 +90,13 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
                             "descs_or_chunks": s[0]["posted"].get("descs"),
                             "handoff_ms_p50": statistics.median(hand), "handoff_ms_max": max(hand),
                             "post_ms_p50": statistics.median(post),
-                            "wire_ms_p50": statistics.median(wire) if wire else None})
+                            "wire_ms_p50": statistics.median(wire) if wire else None,
+                            # where kv_ready -> posted goes (producer's stage timers, issue 15)
+                            "stage_ms_p50": {"wake": _p50([x["kv_ready"].get("wake_ms") for x in s]),
+                                             **{st: _p50([x["posted"].get(f"{st}_ms") for x in s])
+                                                for st in ("fence", "plan", "post")}},
+                            "notice_ms_p50": _p50([(x["received"]["t"] - x["write_done"]["t"]) * 1e3
+                                                   for x in s if "write_done" in x])})
                 print(json.dumps(out[-1]), flush=True)
     finally:
         p.close()
