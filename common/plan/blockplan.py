@@ -12,6 +12,7 @@ the consumer's (freshly allocated) last block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -22,15 +23,38 @@ from kvpush_common.protocol.topology import HeadRoute
 
 @dataclass(frozen=True, eq=False)
 class BlockPlan:
-    local_idx: np.ndarray  # int32 indices into the producer's prepped list
-    remote_idx: np.ndarray  # int32 indices into the consumer's prepped list
+    """Whole blocks, paired in source order.  The per-descriptor index arrays (regions x blocks entries:
+    131,072 for a 16k-token request of a 64-layer model) are built only when a transfer posts them: a
+    request whose blocks merge into runs never pays for them (measured on the H200: 1.2 ms of the 2.6 ms
+    before a 16k-token push was posted, `docs/benchmarks/h200-handoff-stages.json`)."""
+
+    src_blocks: np.ndarray  # the validated block pairs, sorted by source block
+    dst_blocks: np.ndarray
+    num_regions: int
+    src_num_blocks: int  # blocks per region on each side (the prepped lists' stride)
+    dst_num_blocks: int
     nbytes: int
-    src_blocks: np.ndarray | None = None  # the validated block pairs, sorted by source block
-    dst_blocks: np.ndarray | None = None
 
     @property
     def num_descs(self) -> int:
-        return int(self.local_idx.size)
+        return self.num_regions * int(self.src_blocks.size)
+
+    @cached_property
+    def local_idx(self) -> np.ndarray:
+        """int32 indices into the producer's prepped list (entry r * num_blocks + b)."""
+        return _indices(self.num_regions, self.src_num_blocks, self.src_blocks)
+
+    @cached_property
+    def remote_idx(self) -> np.ndarray:
+        """int32 indices into the consumer's prepped list."""
+        return _indices(self.num_regions, self.dst_num_blocks, self.dst_blocks)
+
+
+def _indices(num_regions: int, num_blocks: int, blocks: np.ndarray) -> np.ndarray:
+    out = np.empty((num_regions, blocks.size), np.int32)
+    np.add(np.arange(0, num_regions * num_blocks, num_blocks, dtype=np.int32)[:, None], blocks.astype(np.int32),
+           out=out)
+    return out.ravel()
 
 
 def _slice_contiguous(layout: KVLayout, num_heads: int) -> bool:
@@ -87,11 +111,8 @@ def plan_blocks(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_
     # runs again, which NIXL (and merge_runs) can merge.
     order = np.argsort(s, kind="stable")
     s, d = s[order], d[order]
-    regions = np.arange(len(src.regions), dtype=np.int64)[:, None]
-    local = (regions * src.num_blocks + s[None, :]).ravel().astype(np.int32)
-    remote = (regions * dst.num_blocks + d[None, :]).ravel().astype(np.int32)
     nbytes = len(src.regions) * nblk * bs * route.num_heads * src.token_bytes
-    return BlockPlan(local, remote, nbytes, s, d)
+    return BlockPlan(s, d, len(src.regions), src.num_blocks, dst.num_blocks, nbytes)
 
 
 def _units_touch(layout: KVLayout, num_heads: int) -> bool:
@@ -126,7 +147,7 @@ def merge_runs(src: KVLayout, dst: KVLayout, route: HeadRoute, plan: BlockPlan,
     consecutive blocks do not touch (head slices, K/V-interleaved blocks), or, with `max_descs`, when
     merging would not halve the list or would leave more than `max_descs` entries (then per-block
     prepped lists are cheaper to post)."""
-    if plan.src_blocks is None or not (_units_touch(src, route.num_heads) and _units_touch(dst, route.num_heads)):
+    if not (_units_touch(src, route.num_heads) and _units_touch(dst, route.num_heads)):
         return None
     s0, d0, n = block_runs(plan.src_blocks, plan.dst_blocks)
     if max_descs is not None and len(src.regions) * s0.size > min(max_descs, plan.num_descs // 2):
