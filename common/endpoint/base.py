@@ -145,7 +145,7 @@ class Endpoint:
                 log.exception("kvpush %s worker step failed", self.role)
                 self.stats.worker_errors.inc()
                 busy = False
-            self._wake.wait(self.cfg.poll_s if busy else self.cfg.idle_poll_s)
+            self._wake.wait(self._poll_period(busy))
             self._wake.clear()
         try:
             self.transport.close()
@@ -154,6 +154,10 @@ class Endpoint:
 
     def _step(self) -> bool:
         raise NotImplementedError
+
+    def _poll_period(self, busy: bool) -> float:
+        """How long the worker sleeps before its next step unless the engine wakes it."""
+        return self.cfg.poll_s if busy else self.cfg.idle_poll_s
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def _enqueue(self, item) -> None:

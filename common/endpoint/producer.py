@@ -151,6 +151,11 @@ class ProducerEndpoint(Endpoint):
         self._evict_idle(now, {i.dest for i in self._inflight})
         return bool(self._inflight) or self.rendezvous.has_unmatched()
 
+    def _poll_period(self, busy: bool) -> float:
+        if any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
+            return min(self.cfg.wire_poll_s, self.cfg.poll_s)  # on the wire: see it complete soon
+        return super()._poll_period(busy)
+
     def _on_item(self, item, now: float) -> list:
         if isinstance(item, ConsumerHello):
             try:

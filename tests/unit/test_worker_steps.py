@@ -80,3 +80,21 @@ def test_producer_start_write_that_raises_still_gets_a_result():
     assert [r.outcome.value for r in out] == ["failed"]  # blocks released, not held for ever
     assert any(b"post_failed" in m for m in t.sent)  # and the consumer is told
     assert p.stats.worker_errors._value.get() == 1
+
+
+def test_the_producer_polls_faster_only_while_its_write_is_on_the_wire():
+    """NIXL completes a WRITE, and notifies the consumer, only from the producer's progress calls: while one
+    is on the wire the worker steps every `wire_poll_s`, otherwise at its usual periods."""
+    import pytest
+
+    from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite
+
+    cfg = EndpointConfig(engine_id="P", poll_s=0.001, idle_poll_s=0.01, wire_poll_s=0.0002)
+    p = ProducerEndpoint(cfg, backend())
+    assert p._poll_period(False) == 0.01 and p._poll_period(True) == 0.001
+    p._inflight.append(AwaitingFence(None, 0.0, 1.0))  # waiting for the device: nothing on the wire yet
+    assert p._poll_period(True) == 0.001
+    p._inflight.append(DirectWrite(None, 0.0, 1.0))
+    assert p._poll_period(True) == 0.0002
+    with pytest.raises(ValueError, match="wire_poll_s"):
+        EndpointConfig(engine_id="P", wire_poll_s=0).validate()

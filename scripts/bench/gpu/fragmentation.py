@@ -39,7 +39,7 @@ def _p50(values: list) -> float | None:
 
 
 def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool,
-             poll_s: float = 0.0002, kind: str = "cuda") -> list[dict]:
+             poll_s: float = 0.0002, kind: str = "cuda", wire_poll_s: float | None = None) -> list[dict]:
     """One producer/consumer pair; every size x arrangement `reps` times after a warm-up; rows of medians.
     `kind` "host" puts both slabs in host memory (the CPU twin of the same run)."""
     nblocks = 2 * max(tokens) // block + 8
@@ -47,6 +47,7 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
     env = {"KVPUSH_EVENT_DIR": str(events)}
     cfg = dict(staging_bytes=1 << 30, staging_chunk_bytes=chunk_mib << 20, staging_min_descs=1,
                staging_partitions=1, poll_s=poll_s) if staged else dict(poll_s=poll_s)
+    cfg["wire_poll_s"] = wire_poll_s if wire_poll_s is not None else poll_s
     p, d = PeerProcess("P", env), PeerProcess("D", env)
     out = []
     try:
@@ -85,6 +86,7 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
                 post = [(x["posted"]["t"] - x["kv_ready"]["t"]) * 1e3 for x in s]
                 wire = [(x["write_done"]["t"] - x["posted"]["t"]) * 1e3 for x in s if "write_done" in x]
                 out.append({"block_size": block, "desc_kib": block * 256 // 1024, "tokens": ntok,
+                            "poll_ms": poll_s * 1e3, "wire_poll_ms": cfg["wire_poll_s"] * 1e3,
                             "bytes": ntok * 128 * 256, "arrangement": arrangement,
                             "path": "staged" if s[0]["posted"].get("staged") else "direct",
                             "descs_or_chunks": s[0]["posted"].get("descs"),
