@@ -14,7 +14,8 @@ consumer registering first.  Per request size and block arrangement, medians of 
   notice   producer sees DONE -> consumer's KV usable (its notification poll; may be < 0)
 
 next to one numpy copy of the same bytes (the memory-bandwidth floor).  A CPU measurement: it says
-where kvpush's own Python and NIXL's call costs go, not what an H200 or EFA wire costs.
+where kvpush's own Python and NIXL's call costs go, not what an H200 or EFA wire costs.  On host memory
+UCX copies the bytes inside the transfer call, so here `post` holds the copy and `wire` is near zero.
 
     .venv/bin/python scripts/bench/cpu/handoff_stages.py --out docs/benchmarks/handoff-stages-cpu.json
 """
@@ -86,6 +87,7 @@ def main() -> int:
             "simulated": False, "gpu": None, "reps": args.reps,
             "command": "python scripts/bench/cpu/handoff_stages.py --out " + args.out}
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text("# Handoff stages on CPU (host memory, NIXL UCX)\n\n"
                                       f"`{meta['command']}`\n\n" + table(rows))
