@@ -79,10 +79,27 @@ def _unit_geometry(layout: KVLayout, head_start: int, num_heads: int):
         raise PlanError(f"heads [{head_start}, +{num_heads}) outside the {layout.num_heads} held")
     inner = head_start * (layout.block_size * layout.token_bytes if layout.order == "HND" else layout.token_bytes)
     length = layout.block_size * num_heads * layout.token_bytes
-    base = np.array([r.base for r in layout.regions], np.uint64)[:, None]
-    stride = np.array([r.block_stride for r in layout.regions], np.uint64)[:, None]
-    dev = np.array([r.device_id for r in layout.regions], np.uint64)[:, None]
+    base, stride, dev = _region_columns(layout)
     return base, stride, dev, np.uint64(inner), np.uint64(length)
+
+
+_COLUMNS: dict[int, tuple] = {}  # id(layout) -> (layout, base, stride, dev): an endpoint plans with a few layouts
+
+
+def _region_columns(layout: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per region (column vectors, read-only): base, block stride, device; built once per layout object, so
+    planning a request does no Python work per region."""
+    hit = _COLUMNS.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1:]
+    cols = tuple(np.array([getattr(r, f) for r in layout.regions], np.uint64)[:, None]
+                 for f in ("base", "block_stride", "device_id"))
+    for c in cols:
+        c.flags.writeable = False
+    if len(_COLUMNS) >= 64:  # layouts of peers long gone
+        _COLUMNS.clear()
+    _COLUMNS[id(layout)] = (layout, *cols)  # holds the layout, so its id is not reused while cached
+    return cols
 
 
 def unit_table(layout: KVLayout, head_start: int, num_heads: int) -> np.ndarray:
@@ -118,7 +135,7 @@ def plan_blocks(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_
 def _units_touch(layout: KVLayout, num_heads: int) -> bool:
     """Does the head slice of block b+1 start where block b's ends, in every region?"""
     unit = layout.block_size * num_heads * layout.token_bytes
-    return all(r.block_stride == unit for r in layout.regions)
+    return bool((_region_columns(layout)[1] == unit).all())
 
 
 def block_runs(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
