@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from typing import Callable
 
 from kvpush_common.endpoint.consumer import ConsumerEndpoint
@@ -32,8 +33,10 @@ class WorkerSide:
         self._make_backend = make_backend
         self.endpoint: ProducerEndpoint | ConsumerEndpoint | None = None
         self._req_of: dict[TransferKey, str] = {}
-        self._finished_reqs: set[str] = set()  # producer: ids the scheduler reported finished
+        self._sending: Counter[str] = Counter()  # producer: req id -> its sends not yet released
+        self._finished_reqs: set[str] = set()  # producer: ids with a send, reported finished by the scheduler
         self._released: set[str] = set()  # producer: released but not yet reported finished by the scheduler
+        self._finished_unsent: set[str] = set()  # named finished last step with no send known
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
@@ -59,6 +62,7 @@ class WorkerSide:
             self._later(self.settings.register_delay_s, ep.expect, args)
         for op in meta.sends:
             self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
+            self._sending[op.req_id] += 1
             ep.event("send_staged", TransferKey(op.transfer_id, op.attempt))
             args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens, self.settings.kv_fence == "output",
                     op.consumer_tp)
@@ -79,7 +83,13 @@ class WorkerSide:
         out = TransferResults()
         if self.endpoint is None:
             return out
-        self._finished_reqs |= finished_req_ids
+        # every request that finished is named here, on both roles; only those with a send are kept (until
+        # released and reported), or a decode instance would hold every id it ever served.  An id whose send
+        # is not known yet gets one more step (vLLM stages the send before it names the id finished).
+        named = finished_req_ids | self._finished_unsent
+        mine = {r for r in named if r in self._sending or r in self._released}
+        self._finished_reqs |= mine
+        self._finished_unsent = set(finished_req_ids) - mine
         for r in self.endpoint.take_finished():
             req_id = self._req_of.pop(r.key, None)
             if req_id is None:
@@ -89,6 +99,9 @@ class WorkerSide:
                 if r.outcome not in (Outcome.DONE, Outcome.UNNEEDED):
                     log.warning("kvpush send %s (%s) ended %s: %s", req_id, r.key, r.outcome.value, r.reason)
                 self._released.add(req_id)
+                self._sending[req_id] -= 1
+                if self._sending[req_id] <= 0:
+                    del self._sending[req_id]
             else:
                 out.finished_recving.add(req_id)
                 if not r.ok:

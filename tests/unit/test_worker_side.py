@@ -1,0 +1,63 @@
+"""WorkerSide's bookkeeping of finished requests: a producer reports a send finished only once vLLM named the
+request finished and the push released its blocks (either order); ids of requests with no send are not
+kept (vLLM names every finished request on every rank: a decode instance would otherwise hold them all)."""
+
+from collections import deque
+
+from kvpush_common.protocol.identity import TransferKey
+from kvpush_common.state.rendezvous import Outcome, Release
+from kvpush_common.vllm.metadata import KVPushMetadata, SendOp
+from kvpush_common.vllm.worker import WorkerSide
+
+
+class StubEndpoint:
+    def __init__(self):
+        self.results = deque()
+
+    def event(self, *a, **k):
+        pass
+
+    def kv_ready(self, *a, **k):
+        pass
+
+    def take_finished(self):
+        out, self.results = list(self.results), deque()
+        return out
+
+
+def worker():
+    w = WorkerSide(settings=type("S", (), {"ready_delay_s": 0, "kv_fence": "step"})(), rank=0, make_backend=None)
+    w.endpoint = StubEndpoint()
+    return w
+
+
+def send(w, req, tid):
+    w.start_load_kv(KVPushMetadata(sends=[SendOp(req, tid, 0, (1, 2), 32)]))
+
+
+def test_a_send_is_reported_after_both_its_release_and_its_finish_in_either_order():
+    w = worker()
+    send(w, "a", "ta")
+    send(w, "b", "tb")
+    assert w.transfer_results({"a"}).finished_sending == set()  # finished, not released yet
+    w.endpoint.results += [Release(TransferKey("ta", 0), Outcome.DONE), Release(TransferKey("tb", 0), Outcome.DONE)]
+    assert w.transfer_results(set()).finished_sending == {"a"}  # b released, not named finished yet
+    assert w.transfer_results({"b"}).finished_sending == {"b"}
+    assert not (w._finished_reqs or w._released or w._sending)
+
+
+def test_requests_with_no_send_are_forgotten():
+    w = worker()
+    for i in range(100):
+        w.transfer_results({f"decode-{i}"})
+    assert w._finished_reqs == set() and w._finished_unsent == {"decode-99"}  # one step's grace, no more
+    w.transfer_results(set())
+    assert not (w._finished_reqs or w._finished_unsent)
+
+
+def test_an_id_named_finished_one_step_before_its_send_is_still_reported():
+    w = worker()
+    w.transfer_results({"a"})
+    send(w, "a", "ta")
+    w.endpoint.results.append(Release(TransferKey("ta", 0), Outcome.DONE))
+    assert w.transfer_results(set()).finished_sending == {"a"}
