@@ -47,6 +47,11 @@ class EndpointStats:
             "kvpush_write_stage_seconds", "producer: one stage between KV ready and a posted WRITE",
             list(labels) + ["stage"], registry=self.registry,
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0, 10.0)), labels)
+        # the engine thread's time in kvpush's per-step worker hooks (issue 15 goal: p99 <= 50 us on decode)
+        self.hook_seconds = _Partial(Histogram(
+            "kvpush_engine_hook_seconds", "engine thread: one call of a per-step worker hook",
+            list(labels) + ["hook"], registry=self.registry,
+            buckets=(5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 1e-3, 10e-3, 0.1)), labels)
         self.xfer_seconds = Histogram("kvpush_xfer_seconds", "time from post to WRITE completion", list(labels),
                                       registry=self.registry).labels(**labels)
 

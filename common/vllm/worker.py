@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Callable
 
@@ -37,13 +38,14 @@ class WorkerSide:
         self._finished_reqs: set[str] = set()  # producer: ids with a send, reported finished by the scheduler
         self._released: set[str] = set()  # producer: released but not yet reported finished by the scheduler
         self._finished_unsent: set[str] = set()  # named finished last step with no send known
+        self._hooks: dict = {}  # hook name -> its kvpush_engine_hook_seconds child, once an endpoint is bound
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
         backend = self._make_backend(kv_caches, first)
         cfg = self.settings.endpoint_config(self.rank)
         cls = ProducerEndpoint if self.settings.role == "producer" else ConsumerEndpoint
-        self.endpoint = cls(cfg, backend).start()
+        self._bind(cls(cfg, backend).start())
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
@@ -52,7 +54,23 @@ class WorkerSide:
         where = f" on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if cls is ProducerEndpoint else ""
         log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
 
+    def _bind(self, endpoint: ProducerEndpoint | ConsumerEndpoint) -> None:
+        self.endpoint = endpoint
+        self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results")}
+
+    def _timed(self, hook: str, started: float) -> None:
+        histogram = self._hooks.get(hook)
+        if histogram is not None:
+            histogram.observe(time.perf_counter() - started)
+
     def start_load_kv(self, meta: KVPushMetadata) -> None:
+        started = time.perf_counter()
+        try:
+            self._hand_over(meta)
+        finally:
+            self._timed("start_load_kv", started)
+
+    def _hand_over(self, meta: KVPushMetadata) -> None:
         ep = self.endpoint
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
@@ -80,9 +98,16 @@ class WorkerSide:
             fn(*args)
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        out = TransferResults()
         if self.endpoint is None:
-            return out
+            return TransferResults()
+        started = time.perf_counter()
+        try:
+            return self._results(finished_req_ids)
+        finally:
+            self._timed("transfer_results", started)
+
+    def _results(self, finished_req_ids: set[str]) -> TransferResults:
+        out = TransferResults()
         # every request that finished is named here, on both roles; only those with a send are kept (until
         # released and reported), or a decode instance would hold every id it ever served.  An id whose send
         # is not known yet gets one more step (vLLM stages the send before it names the id finished).

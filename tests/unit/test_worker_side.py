@@ -4,6 +4,7 @@ kept (vLLM names every finished request on every rank: a decode instance would o
 
 from collections import deque
 
+from kvpush_common.endpoint.metrics import EndpointStats
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.state.rendezvous import Outcome, Release
 from kvpush_common.vllm.metadata import KVPushMetadata, SendOp
@@ -13,6 +14,7 @@ from kvpush_common.vllm.worker import WorkerSide
 class StubEndpoint:
     def __init__(self):
         self.results = deque()
+        self.stats = EndpointStats("P", "producer")
 
     def event(self, *a, **k):
         pass
@@ -27,7 +29,7 @@ class StubEndpoint:
 
 def worker():
     w = WorkerSide(settings=type("S", (), {"ready_delay_s": 0, "kv_fence": "step"})(), rank=0, make_backend=None)
-    w.endpoint = StubEndpoint()
+    w._bind(StubEndpoint())
     return w
 
 
@@ -44,6 +46,10 @@ def test_a_send_is_reported_after_both_its_release_and_its_finish_in_either_orde
     assert w.transfer_results(set()).finished_sending == {"a"}  # b released, not named finished yet
     assert w.transfer_results({"b"}).finished_sending == {"b"}
     assert not (w._finished_reqs or w._released or w._sending)
+    # the engine thread's time in each hook is observed once per call (kvpush_engine_hook_seconds)
+    counts = {s.labels["hook"]: s.value for m in w.endpoint.stats.registry.collect() for s in m.samples
+              if s.name == "kvpush_engine_hook_seconds_count"}
+    assert counts == {"start_load_kv": 2.0, "transfer_results": 3.0}
 
 
 def test_requests_with_no_send_are_forgotten():

@@ -89,6 +89,9 @@ def test_push_through_router_matches_a_single_instance(cluster):
     assert p_metrics["kvpush_writes_staged_total"] >= 1
     assert p_metrics["kvpush_writes_staged_total"] + p_metrics.get("kvpush_staging_exhausted_total", 0) >= len(ps)
     assert d_metrics["kvpush_requests_received_total"] >= len(ps) and d_metrics["kvpush_recv_wait_seconds_count"] >= len(ps)
+    # the engine thread's per-step worker hooks are timed on both instances, at least once per request (both hooks)
+    for m in (p_metrics, d_metrics):
+        assert m["kvpush_engine_hook_seconds_count"] >= 2 * len(ps)
 
 
 def scrape(url: str) -> dict[str, float]:
