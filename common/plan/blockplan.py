@@ -17,7 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from kvpush_common.protocol.layout import KVLayout, same_block_arrangement
-from kvpush_common.plan.planner import PlanError, TransferPlan, check_block_ids, plan_transfer
+from kvpush_common.plan.planner import PlanError, TransferPlan, check_block_ids
 from kvpush_common.protocol.topology import HeadRoute
 
 
