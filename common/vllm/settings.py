@@ -24,7 +24,7 @@ class ConnectorSettings:
     secret: bytes | None
     backend: str
     backend_params: dict
-    timeouts: dict
+    timeouts: dict  # and the worker's poll periods (poll_s, idle_poll_s, wire_poll_s)
     ready_delay_s: float  # test knob: producer reports KV ready this much later (forces registration first)
     register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
     metrics_port: int = 0  # >0: each TP rank serves its kvpush Prometheus metrics on metrics_port + rank
@@ -53,7 +53,8 @@ class ConnectorSettings:
             raise ValueError(f"KVPushConnector needs kv_role kv_producer or kv_consumer, got {kt.kv_role!r}")
         secret = extra.get("secret") or os.environ.get("KVPUSH_SECRET")
         timeouts = {k: float(extra[k]) for k in ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s",
-                                                  "transfer_timeout_s", "handshake_timeout_s") if k in extra}
+                                                  "transfer_timeout_s", "handshake_timeout_s",
+                                                  "poll_s", "idle_poll_s", "wire_poll_s") if k in extra}
         model_config = vllm_config.model_config
         mode = str(extra.get("mode", "push"))
         if mode not in ("push", "pull"):
