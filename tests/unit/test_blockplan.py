@@ -175,3 +175,18 @@ def test_consecutive_blocks_merge_into_one_descriptor_per_region():
     merged = merge_runs(src, dst, route, bp)
     assert merged.num_descs == len(src.regions) and bp.num_descs == 32 * len(src.regions)
     assert int(merged.src[0, 1]) == 32 * src.block_bytes
+
+
+def test_region_columns_are_per_layout_object_even_past_the_cache_bound():
+    """Each layout's base/stride/device columns are built once and reused; more layouts than the cache holds
+    (peers coming and going) still each get their own addresses."""
+    from kvpush_common.plan import blockplan
+    from kvpush_common.protocol.layout import contiguous_layout
+
+    geo = dict(num_layers=2, num_heads=1, head_dim=8, block_size=4, num_blocks=3)
+    layouts = [contiguous_layout(1 << (20 + i % 20), **geo) for i in range(70)]
+    for lay in layouts + layouts[:3]:
+        table = blockplan.unit_table(lay, 0, 1)
+        assert int(table[0, 0]) == lay.regions[0].base and int(table[-1, 0]) == lay.regions[-1].base + 2 * lay.regions[-1].block_stride
+    first, again = blockplan._region_columns(layouts[-1]), blockplan._region_columns(layouts[-1])
+    assert all(a is b for a, b in zip(first, again))  # built once, not per call
