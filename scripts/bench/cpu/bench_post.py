@@ -26,6 +26,7 @@ from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 from kvpush_common.plan.blockplan import plan_blocks, unit_table  # noqa: E402
 from kvpush_common.protocol.layout import contiguous_layout, slab_bytes  # noqa: E402
 from kvpush_common.plan.planner import plan_transfer  # noqa: E402
+from kvpush_common.plan.write import plan_write  # noqa: E402
 from kvpush_common.protocol.topology import HeadRoute  # noqa: E402
 
 
@@ -83,10 +84,14 @@ def main():
             h = a.make_prepped_xfer("WRITE", local_h, bp.local_idx, remote_h, bp.remote_idx, b"n")
             a.release_xfer_handle(h)
 
+        def planned():  # what the producer's `plan` stage runs: the cheapest valid plan, no NIXL call
+            plan_write(src, dst, route, sblk, dblk, num_tokens=args.tokens, prepped=True)
+
         ndesc = merged()
         m, p = median_ms(merged, args.reps), median_ms(prepped, args.reps)
         results[name] = {"merged_ms": round(m, 3), "prepped_ms": round(p, 3), "merged_over_prepped": round(m / p, 3),
-                         "merged_descriptors": ndesc, "prepped_descriptors": int(2 * args.layers * nb_req)}
+                         "merged_descriptors": ndesc, "prepped_descriptors": int(2 * args.layers * nb_req),
+                         "plan_write_ms": round(median_ms(planned, args.reps), 3)}
         print(f"{name:<12} merged {m:8.2f} ms ({ndesc} descs)   prepped {p:8.2f} ms "
               f"({2 * args.layers * nb_req} descs)   merged/prepped {m / p:5.2f}")
     print(f"prepped lists, one-time per peer: {prep_once_ms:.1f} ms")
