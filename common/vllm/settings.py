@@ -24,7 +24,7 @@ class ConnectorSettings:
     secret: bytes | None
     backend: str
     backend_params: dict
-    timeouts: dict  # and the worker's poll periods (poll_s, idle_poll_s, wire_poll_s)
+    periods: dict  # EndpointConfig's timeouts, heartbeat and poll periods the config sets (seconds)
     ready_delay_s: float  # test knob: producer reports KV ready this much later (forces registration first)
     register_delay_s: float  # test knob: consumer registers this much later (forces KV ready first)
     metrics_port: int = 0  # >0: each TP rank serves its kvpush Prometheus metrics on metrics_port + rank
@@ -52,9 +52,9 @@ class ConnectorSettings:
         else:
             raise ValueError(f"KVPushConnector needs kv_role kv_producer or kv_consumer, got {kt.kv_role!r}")
         secret = extra.get("secret") or os.environ.get("KVPUSH_SECRET")
-        timeouts = {k: float(extra[k]) for k in ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s",
-                                                  "transfer_timeout_s", "handshake_timeout_s",
-                                                  "poll_s", "idle_poll_s", "wire_poll_s") if k in extra}
+        periods = {k: float(extra[k]) for k in ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s",
+                                                 "transfer_timeout_s", "handshake_timeout_s",
+                                                 "poll_s", "idle_poll_s", "wire_poll_s") if k in extra}
         model_config = vllm_config.model_config
         mode = str(extra.get("mode", "push"))
         if mode not in ("push", "pull"):
@@ -73,7 +73,7 @@ class ConnectorSettings:
             secret=secret.encode() if isinstance(secret, str) else secret,
             backend=str(extra.get("backend", "UCX")),
             backend_params={k: str(v) for k, v in dict(extra.get("backend_params") or {}).items()},
-            timeouts=timeouts,
+            periods=periods,
             ready_delay_s=float(extra.get("debug_ready_delay_s", 0.0)),
             register_delay_s=float(extra.get("debug_register_delay_s", 0.0)),
             metrics_port=int(extra.get("metrics_port", 0)),
@@ -92,7 +92,7 @@ class ConnectorSettings:
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
                               base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params),
                                                         progress_thread=self.progress_thread),
-                              secret=self.secret, **self.timeouts, **self.staging)
+                              secret=self.secret, **self.periods, **self.staging)
 
 
 def _choice(extra: dict, key: str, allowed: tuple[str, ...]) -> str:
