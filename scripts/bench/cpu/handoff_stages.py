@@ -33,7 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts" / "bench" / "gpu"))
-from fragmentation import run_case  # noqa: E402
+from fragmentation import handoff_args, handoff_passes  # noqa: E402
 
 STAGES = ("wake", "fence", "plan", "post")
 
@@ -62,17 +62,9 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1024,4096,16384")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--wire-poll-ms", default="1,0.2",
-                    help="the producer's poll period while its WRITE is on the wire, one pass each (1 = as before)")
-    ap.add_argument("--out", default="handoff-stages-cpu.json")
+    handoff_args(ap, "handoff-stages-cpu.json")
     args = ap.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
-    rows = []
-    for wire_poll_ms in [float(x) for x in args.wire_poll_ms.split(",")]:
-        rows += run_case(16, tokens, staged=False, reps=args.reps, chunk_mib=64, two=False, poll_s=0.001,
-                         kind="host", wire_poll_s=wire_poll_ms / 1e3)
+    rows = handoff_passes(args, "host")
     for row in rows:
         row["raw_copy_ms"] = copy_ms(row["bytes"])
         row["handoff_over_raw"] = round(row["handoff_ms_p50"] / row["raw_copy_ms"], 2)

@@ -106,6 +106,25 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
     return out
 
 
+def handoff_args(ap: argparse.ArgumentParser, out: str) -> None:
+    """The options of the one-push handoff runs (`gpu_handoff.py`, and its CPU twin `handoff_stages.py`)."""
+    ap.add_argument("--tokens", default="1024,4096,16384")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--wire-poll-ms", default="1,0.2",
+                    help="the producer's poll period while its WRITE is on the wire, one pass each (1 = as before)")
+    ap.add_argument("--out", default=out)
+
+
+def handoff_passes(args, kind: str = "cuda", two: bool = False) -> list[dict]:
+    """Direct pushes, block 16, the endpoints' 1 ms poll: one pass per `--wire-poll-ms` value, rows of both."""
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for wire_poll_ms in [float(x) for x in args.wire_poll_ms.split(",")]:
+        rows += run_case(16, tokens, staged=False, reps=args.reps, chunk_mib=64, two=two, poll_s=0.001, kind=kind,
+                         wire_poll_s=wire_poll_ms / 1e3)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--block-sizes", default="16,64,256")

@@ -21,26 +21,19 @@ import json
 import sys
 from pathlib import Path
 
-from fragmentation import run_case  # noqa: E402
+from fragmentation import handoff_args, handoff_passes  # noqa: E402
 from kvslab import peer_copy_ms  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", default="1024,4096,16384")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--wire-poll-ms", default="1,0.2",
-                    help="the producer's poll period while its WRITE is on the wire, one pass each (1 = as before)")
-    ap.add_argument("--out", default="gpu-handoff.json")
+    handoff_args(ap, "gpu-handoff.json")
     args = ap.parse_args()
     import torch
 
     two = torch.cuda.device_count() > 1
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = []
-    for wire_poll_ms in [float(x) for x in args.wire_poll_ms.split(",")]:
-        rows += run_case(16, tokens, staged=False, reps=args.reps, chunk_mib=64, two=two, poll_s=0.001,
-                         wire_poll_s=wire_poll_ms / 1e3)
+    rows = handoff_passes(args, "cuda", two)
     raw = {t: peer_copy_ms(t * 128 * 256) for t in tokens}
     for row in rows:
         row["raw_copy_ms"] = raw[row["tokens"]]
