@@ -43,6 +43,9 @@ class EndpointConfig:
     # notification, only from our progress calls, so this bounds what completion waits for after the bytes
     # landed (H200, 512 MiB over cuda_ipc: ~0.3 ms of copy seen 1.2 ms after the post at poll_s)
     wire_poll_s: float = 0.0002
+    # push: WRITE each layer's KV into registered consumer ranks while the prefill still runs (the engine
+    # calls `layers_ready`); the whole-request push then sends only what is left, with WriteDone
+    stream_layers: bool = False
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
 
     @property

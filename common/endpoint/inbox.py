@@ -24,6 +24,17 @@ class KVReady:
 
 
 @dataclass(frozen=True)
+class LayersReady:
+    """Producer, engine thread (layer streaming): layers [first, end) of each request hold tokens [0, n) in
+    its blocks once `fence` passes; `chunks` holds (key, block_ids, n) per request of the step."""
+
+    chunks: tuple[tuple[TransferKey, tuple[int, ...], int], ...]
+    first: int
+    end: int
+    fence: object = None
+
+
+@dataclass(frozen=True)
 class LocalAbort:
     """Either role, engine thread: the engine gave this request up."""
 

@@ -20,6 +20,10 @@ class EndpointStats:
         self.staging_exhausted = counter("staging_exhausted", "pushes sent direct because no staging slot was free")
         self.slots_reclaimed = counter("staging_slots_reclaimed",
                                        "staging slots taken back because their SlotFree never came (lost notification)")
+        self.layer_batches = counter("layer_batches", "layer streaming: batches of layer WRITEs posted before the "
+                                     "whole KV was ready")
+        self.layer_batches_failed = counter("layer_batches_failed", "layer streaming: batches that did not land "
+                                            "(the whole push then sends every layer)")
         self.writes_done = counter("writes_done", "WRITEs that completed")
         self.writes_failed = counter("writes_failed", "WRITEs refused, failed or timed out", ("code",))
         self.bytes_written = counter("bytes_written", "payload bytes moved by completed WRITEs")

@@ -12,18 +12,21 @@ WriteFailed whenever a destination will not be (fully) written.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
 from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, unit_table
+from kvpush_common.plan.layers import layer_slice
 from kvpush_common.plan.write import plan_write
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
-from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort
-from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, StagedPush, Transfer
+from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LayersReady, LocalAbort
+from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, LayerBatch, ReadPin, StagedPush, Transfer
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.plan.planner import PlanError, plan_transfer
 from kvpush_common.plan.staging import LentSlots, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
+from kvpush_common.state.layer_stream import LayerChunk, LayerStream
 from kvpush_common.state.rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
 from kvpush_common.protocol.topology import routes_from
 from kvpush_common.transport.nixl import TransportError
@@ -51,6 +54,9 @@ class ProducerEndpoint(Endpoint):
         self._reg_from: dict[tuple[TransferKey, Dest], str] = {}  # registration -> incarnation that sent it
         self._last_fetch: float | None = None
         self._next_prune = 0.0
+        self._streams: dict[TransferKey, LayerStream] = {}  # layer streaming: requests still being prefilled
+        self._batches: list[LayerBatch] = []  # layer-streamed WRITE batches in flight
+        self._deferred: list = []  # results for a destination held until its layer batch in flight ends
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int, written: bool = False,
@@ -67,6 +73,16 @@ class ProducerEndpoint(Endpoint):
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
+
+    def layers_ready(self, requests, first_layer: int, end_layer: int) -> None:
+        """Layer streaming, engine thread, once per layer range of a step: layers [first_layer, end_layer)
+        of each request, given as (transfer_id, attempt, block_ids, num_tokens), now hold tokens
+        [0, num_tokens) (one device fence for all; nothing else happens here)."""
+        if not self.cfg.stream_layers:
+            return
+        chunks = tuple((TransferKey(t, a), tuple(map(int, b)), int(n)) for t, a, b, n in requests)
+        if chunks:
+            self._enqueue(LayersReady(chunks, first_layer, end_layer, self.backend.mark_kv_written()))
 
     @property
     def address(self) -> tuple[str, int]:
@@ -140,6 +156,7 @@ class ProducerEndpoint(Endpoint):
             actions += self._guard(self.rendezvous.tick, now)
         finally:
             self._run(actions, now)
+        self._stream_out(now)
         self._poll_inflight()
         if now >= self._next_prune:  # forget the sender of registrations whose entry has ended
             self._next_prune = now + 1.0
@@ -148,11 +165,11 @@ class ProducerEndpoint(Endpoint):
                     self.stats.slots_reclaimed.inc(n)
                     log.warning("took back %d staging slots of %s whose SlotFree never came", n, dest)
             self._reg_from = {k: v for k, v in self._reg_from.items() if self.rendezvous.entry_state(k[0]) is not None}
-        self._evict_idle(now, {i.dest for i in self._inflight})
-        return bool(self._inflight) or self.rendezvous.has_unmatched()
+        self._evict_idle(now, {i.dest for i in self._inflight} | {b.dest for b in self._batches})
+        return bool(self._inflight or self._batches or self._deferred) or self.rendezvous.has_unmatched()
 
     def _poll_period(self, busy: bool) -> float:
-        if any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
+        if self._batches or any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
             return min(self.cfg.wire_poll_s, self.cfg.poll_s)  # on the wire: see it complete soon
         return super()._poll_period(busy)
 
@@ -174,6 +191,8 @@ class ProducerEndpoint(Endpoint):
                 self.stats.stage_seconds.labels(stage="wake").observe(wake_s)
             self._ready_at[item.key] = item.enqueued_at if item.enqueued_at is not None else now  # handoff from here
             return self.rendezvous.on_ready(item.key, item.ready, now)
+        elif isinstance(item, LayersReady):
+            self._on_layers(item, now)
         elif isinstance(item, LocalAbort):
             return self.rendezvous.on_local_abort(item.key, item.reason, now)
         return []
@@ -214,6 +233,9 @@ class ProducerEndpoint(Endpoint):
             actions += self._guard(self._run_one, actions.pop(0), now)
 
     def _run_one(self, a, now: float) -> list:
+        if self._held_for_batch(a):
+            self._deferred.append(a)  # a layer batch into that rank is in flight: say so once it ends
+            return []
         if isinstance(a, StartWrite):
             try:
                 return self._start_write(a, now)
@@ -273,6 +295,9 @@ class ProducerEndpoint(Endpoint):
             return self._fail_write(a, "fence_timeout", "device never finished writing the KV", now)
         if not self.backend.kv_written(a.ready.fence):
             return []
+        stream = self._streams.get(a.key)
+        if stream is not None and stream.busy(a.dest):
+            return []  # a layer batch into this rank is in flight: WriteDone must follow its bytes
         self._inflight.remove(item)
         t_post = self.clock()
         fence_s = max(0.0, t_post - item.posted_at)  # posted_at of an AwaitingFence: when the write started
@@ -291,11 +316,16 @@ class ProducerEndpoint(Endpoint):
             self.stats.writes_posted.inc()
             self.stats.writes_staged.inc()
             return self._advance_staged(push, now)
+        first = self._first_unstreamed(a, stream)
+        if first >= a.ready.num_tokens:  # every layer streamed already: WriteDone alone (the bytes landed)
+            self.event("posted", a.key, consumer_rank=peer.rank, nbytes=0, descs=0, from_token=first)
+            sent = self._send(peer, self._done_msg(a.key, 0, 0))
+            return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
+        dst_blocks = a.reg.block_ids[(first - a.reg.first_token) // peer.layout.block_size:]
         prepped = self._remote_prepped.get(a.dest)
         try:
-            plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
-                              num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
-                              prepped=prepped is not None)
+            plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, dst_blocks,
+                              num_tokens=a.ready.num_tokens, dst_first_token=first, prepped=prepped is not None)
         except PlanError as e:
             return self._fail_write(a, "bad_registration", str(e), now)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
@@ -314,7 +344,7 @@ class ProducerEndpoint(Endpoint):
         stages = {"fence": fence_s, "plan": t_planned - t_post, "post": t_posted - t_planned}
         for stage, seconds in stages.items():
             self.stats.stage_seconds.labels(stage=stage).observe(seconds)
-        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs,
+        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs, from_token=first,
                    **{f"{stage}_ms": round(seconds * 1e3, 3) for stage, seconds in stages.items()})
         self.stats.writes_posted.inc()
         if isinstance(plan, BlockPlan):
@@ -322,6 +352,119 @@ class ProducerEndpoint(Endpoint):
         self.stats.descs_posted.inc(plan.num_descs)
         self.stats.post_seconds.observe(self.clock() - t_post)
         return []
+
+    # ---- layer streaming (design 5.5) ----------------------------------------------------------------
+    def _on_layers(self, item: LayersReady, now: float) -> None:
+        if self.cfg.mode != "push":
+            return
+        for key, block_ids, num_tokens in item.chunks:
+            stream = self._streams.get(key)
+            if stream is None:
+                if self.rendezvous.floor.refusal(key) or len(self._streams) >= self.rendezvous.max_entries:
+                    continue  # ended already (or too many open streams: the whole push still sends it)
+                stream = self._streams[key] = LayerStream(self.layout.num_layers, now)
+            try:
+                stream.add(LayerChunk(item.first, item.end, block_ids, num_tokens, item.fence))
+            except ValueError as e:
+                log.warning("layer streaming of %s: %s", key, e)
+
+    def _first_unstreamed(self, a: StartWrite, stream: LayerStream | None) -> int:
+        """The first token the whole push sends into `a.dest`: where every streamed layer landed, rounded
+        down to a block both sides share (a block cut by a chunk boundary goes again), never below the
+        consumer's own prefix."""
+        covered = stream.covered(a.dest) if stream is not None else 0
+        if not covered:
+            return a.reg.first_token
+        align = self._align(self._peers[a.dest])
+        return max(a.reg.first_token, covered // align * align)
+
+    def _align(self, peer: Peer) -> int:
+        return math.lcm(self.layout.block_size, peer.layout.block_size)
+
+    def _stream_out(self, now: float) -> None:
+        """Post the next layer batch into every registered rank that has none in flight; forget streams
+        whose request ended (once nothing of theirs is in flight)."""
+        for key, stream in list(self._streams.items()):
+            ended = self.rendezvous.entry_state(key) is None and (
+                self.rendezvous.floor.refusal(key) is not None or now - stream.started > self.cfg.lease_s)
+            if ended or stream.closed:
+                stream.closed = True
+                if not stream.busy():
+                    del self._streams[key]
+                continue
+            stream.settle(self.backend.kv_written)
+            for dest, reg in self.rendezvous.registered(key).items():
+                peer = self._peers.get(dest)
+                if peer is None or self._reg_from.get((key, dest), peer.incarnation) != peer.incarnation:
+                    continue
+                if dest in self._peer_slots and self.staging is not None:
+                    continue  # a staged push scatters whole chunks: it takes no streamed layers
+                spans = stream.spans_for(dest, reg.first_token, reg.num_tokens, self._align(peer))
+                if spans:
+                    self._post_batch(key, stream, peer, reg, spans, now)
+
+    def _post_batch(self, key: TransferKey, stream: LayerStream, peer: Peer, reg: Register, spans, now: float) -> None:
+        dest = (peer.engine_id, peer.rank)
+        route = self._route_to(peer)
+        handles, nbytes, error = [], 0, None
+        for span in spans:
+            try:
+                src = layer_slice(self.layout, span.first, span.end)
+                dst = layer_slice(peer.layout, span.first, span.end)
+                plan = plan_write(src, dst, route, span.block_ids,
+                                  reg.block_ids[(span.from_token - reg.first_token) // peer.layout.block_size:],
+                                  num_tokens=span.num_tokens, dst_first_token=span.from_token)
+                handles.append(self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
+                                                   peer.layout.mem_type, b""))
+                nbytes += plan.nbytes
+            except (PlanError, TransportError) as e:
+                error = f"layers [{span.first}, {span.end}): {e}"
+                break
+        stream.posted(dest, spans)
+        self._batches.append(LayerBatch(key, dest, handles, now + self.cfg.write_timeout_s, nbytes, error))
+        self.stats.layer_batches.inc()
+        self.event("layers_posted", key, consumer_rank=peer.rank, nbytes=nbytes, spans=len(handles),
+                   layers=[spans[0].first, spans[-1].end], tokens=[min(s.from_token for s in spans),
+                                                                   max(s.num_tokens for s in spans)])
+        if error:
+            log.warning("layer streaming of %s into %s stopped: %s", key, peer.agent, error)
+
+    def _poll_batches(self, now: float) -> None:
+        for batch in list(self._batches):
+            for handle in list(batch.handles):
+                state = self._settle(handle, now, batch.deadline)
+                if state is None:
+                    continue
+                batch.handles.remove(handle)
+                if state != "DONE":
+                    batch.error = batch.error or f"a layer WRITE ended in {state}"
+                else:
+                    batch.done += 1
+            if batch.handles:
+                continue
+            self._batches.remove(batch)
+            stream = self._streams.get(batch.key)
+            if stream is not None:
+                stream.ended(batch.dest, batch.error is None)
+            if batch.error is None:
+                self.stats.bytes_written.inc(batch.nbytes)
+            else:
+                self.stats.layer_batches_failed.inc()
+            self.event("layers_" + ("done" if batch.error is None else "failed"), batch.key,
+                       consumer_rank=batch.dest[1], error=batch.error or "")
+
+    def _held_for_batch(self, a) -> bool:
+        """A result that lets a consumer free its blocks (SendFailed, SendRevokeAck), or the producer's
+        (Release), waits while a layer batch for the key (into that rank) is in flight."""
+        if not isinstance(a, (SendFailed, SendRevokeAck, Release)):
+            return False
+        stream = self._streams.get(a.key)
+        if stream is None:
+            return False
+        if isinstance(a, Release):
+            stream.closed = True
+            return stream.busy()
+        return stream.busy(a.dest)
 
     def _same_incarnation(self, a: StartWrite, peer: Peer) -> bool:
         """Block ids in a registration name memory of the process that sent it, never of its successor."""
@@ -471,7 +614,8 @@ class ProducerEndpoint(Endpoint):
 
     def _poll_inflight(self) -> None:
         now = self.clock()
-        actions = []
+        self._poll_batches(now)
+        actions, self._deferred = self._deferred, []  # held results whose batch ended go out now
         for item in list(self._inflight):
             actions += self._polls[type(item)](item, now)
         self._run(actions, now)

@@ -54,3 +54,17 @@ class StagedPush(Transfer):
 @dataclass
 class ReadPin(Transfer):
     """Pull: a ReadGrant went out; the source blocks stay pinned until ReadResult or the deadline."""
+
+
+@dataclass
+class LayerBatch:
+    """Layer streaming: the WRITEs (no notification) of one batch of layers into one consumer rank; its
+    request's WriteDone, and any result that lets either side free blocks, waits until all of them end."""
+
+    key: TransferKey
+    dest: Dest
+    handles: list
+    deadline: float
+    nbytes: int
+    error: str | None = None
+    done: int = 0

@@ -125,6 +125,14 @@ class Rendezvous:
             "finished": dict(e.finished),
         }
 
+    def registered(self, key: TransferKey) -> dict[Dest, Register]:
+        """Registrations waiting for this key's KV (none once it is ready, matched or closing): where layer
+        streaming may write before the whole KV is ready."""
+        e = self._entries.get(key)
+        if e is None or e.closing is not None or e.ready is not None:
+            return {}
+        return {dest: reg for dest, (reg, _) in e.pending.items()}
+
     # ---- events ----------------------------------------------------------------------------------
     def on_register(self, reg: Register, now: float, arrived_after: float | None = None) -> list[Action]:
         """`arrived_after`: the registration was not there before this time (default `now`); its ttl

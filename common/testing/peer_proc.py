@@ -158,6 +158,11 @@ class Peer:
         self.ep.kv_ready(tid, attempt, blocks, num_tokens, consumer_tp=consumer_tp)
         return {}
 
+    def op_layers(self, tid, attempt, blocks, num_tokens, first, end):
+        """Layer streaming: layers [first, end) of this request hold tokens [0, num_tokens) (a prefill step)."""
+        self.ep.layers_ready([(tid, attempt, blocks, num_tokens)], first, end)
+        return {}
+
     def op_expect(self, tid, attempt, producer, blocks, num_tokens, first_token=0):
         self.ep.expect(tid, attempt, ProducerIdentity(**producer), blocks, num_tokens, first_token)
         return {}

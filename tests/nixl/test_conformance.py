@@ -791,3 +791,87 @@ def test_exhausted_staging_pool_falls_back_to_direct(cluster):
     staged = cluster.kind in STAGES
     assert counters["kvpush_writes_staged_total"] == (1 if staged else 0)
     assert (counters["kvpush_staging_exhausted_total"] >= 1) == staged
+
+
+# ---- layer streaming (issue 15): layers WRITTEn while the prefill runs, WriteDone only with the whole KV ----
+STREAM = {"stream_layers": True}
+
+
+def landed(cl: Cluster, p_blocks, d_blocks, num_tokens) -> bool:
+    return np.array_equal(logical(cl.consumers[0], d_blocks, num_tokens), logical(cl.producers[0], p_blocks, num_tokens))
+
+
+def eventually(check, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("order", ["registration_first", "layers_first"])
+def test_streamed_layers_land_before_the_kv_is_ready_and_the_request_waits_for_write_done(cluster, order):
+    """Chunked prefill: two steps of layer chunks (the first cuts block 1), then the whole KV.  The bytes land
+    while the prefill runs, yet the consumer reports the request only after the whole push's WriteDone.  With
+    the layers first, a late registration gets every layer done so far in one batch."""
+    cl = cluster.start(p_cfg=STREAM)
+    p_blocks, d_blocks, n1, n = [3, 4, 9, 10], [20, 21, 7, 1], 20, 57
+    steps = [(0, 1, n1), (1, 2, n1), (0, 1, n), (1, 2, n)]  # (first layer, end layer, tokens computed so far)
+    if order == "registration_first":
+        cl.expect("s1", 0, d_blocks, n)
+        time.sleep(0.3)
+    for first, end, k in steps[:2]:
+        cl.producers[0].call("layers", tid="s1", attempt=0, blocks=p_blocks[:2], num_tokens=k, first=first, end=end)
+    if order == "layers_first":
+        time.sleep(0.3)
+        assert dirty(cl.consumers[0]) == []  # nothing written before a registration
+        cl.expect("s1", 0, d_blocks, n)
+    assert eventually(lambda: landed(cl, p_blocks[:2], d_blocks[:2], n1))
+    for first, end, k in steps[2:]:
+        cl.producers[0].call("layers", tid="s1", attempt=0, blocks=p_blocks, num_tokens=k, first=first, end=end)
+    assert eventually(lambda: landed(cl, p_blocks, d_blocks, n))
+    assert wait(cl.consumers[0], 1, seconds=0.5) == []  # every byte is there, but no WriteDone yet
+    cl.ready("s1", 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1) == [{"tid": "s1", "attempt": 0, "ok": True, "reason": ""}]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert set(dirty(cl.consumers[0])) == set(d_blocks)
+    counters = cl.producers[0].call("stats")["counters"]
+    assert counters["kvpush_layer_batches_total"] >= (2 if order == "registration_first" else 1)
+    assert counters["kvpush_layer_batches_failed_total"] == 0
+
+
+def test_a_failed_layer_write_only_makes_the_whole_push_send_every_layer(cluster):
+    cl = cluster.start(p_cfg=STREAM, p_faults={"err_silent_xfer": 1.0})
+    p_blocks, d_blocks, n = [3, 4, 9], [20, 21, 7], 40
+    cl.expect("s2", 0, d_blocks, n)
+    time.sleep(0.3)
+    cl.producers[0].call("layers", tid="s2", attempt=0, blocks=p_blocks, num_tokens=n, first=0, end=2)
+    assert eventually(lambda: cl.producers[0].call("stats")["counters"].get("kvpush_layer_batches_failed_total") == 1)
+    assert dirty(cl.consumers[0]) == []  # the failed batch moved nothing
+    cl.ready("s2", 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1)[0]["ok"] is True
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert cl.producers[0].call("stats")["faults"]["err_silent_xfer"] == 1
+
+
+def test_an_abort_while_layers_are_on_the_wire_fails_the_request_only_after_they_land(cluster):
+    """The producer gives the request up while a (slow) layer batch is in flight: the consumer hears of it
+    only after that batch ended, so it never frees blocks that a WRITE may still fill."""
+    delay = 1.0
+    cl = cluster.start(p_cfg=STREAM, p_faults={"post_delay_s": delay})
+    p_blocks, d_blocks, n = [3, 4, 9], [20, 21, 7], 40
+    cl.expect("s3", 0, d_blocks, n)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    cl.producers[0].call("layers", tid="s3", attempt=0, blocks=p_blocks, num_tokens=n, first=0, end=2)
+    time.sleep(0.2)
+    cl.producers[0].call("abort", tid="s3", attempt=0)
+    res = wait(cl.consumers[0], 1)
+    assert res and res[0]["ok"] is False, res
+    (_, _, seen), = cl.consumers[0].call("times")["times"]
+    assert seen - t0 >= delay  # CLOCK_MONOTONIC is shared by the processes of one host
+    assert landed(cl, p_blocks, d_blocks, n)  # the batch landed before the failure went out
+    assert wait(cl.producers[0], 1, seconds=0.2) == []  # never ready: nothing to release
+    assert eventually(lambda: cl.producers[0].call("state")["inflight"] == 0)
