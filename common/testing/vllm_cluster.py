@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (kvpush is installed editable)
@@ -236,3 +237,35 @@ def concurrently(fn, items: list) -> list:
     for t in threads:
         t.join()
     return out
+
+
+def direct_legs(p_url: str, d_url: str, events_dir: Path, request: dict, order: str) -> tuple[int, dict, str]:
+    """Send a request's two legs ourselves (no router) to force an arrival order at the producer:
+    "registration_first" or "ready_first".  Returns D's (status, body) and the transfer id; the producer's
+    events (KVPUSH_EVENT_DIR) must show that order."""
+    from kvpush_common.endpoint.events import read_events
+
+    _, probe = post_json(p_url + "/v1/completions", {"model": request["model"], "prompt": "ping", "max_tokens": 1,
+                                                     "kv_transfer_params": {"kvpush": "identity"}})
+    ident = probe["kv_transfer_params"]["kvpush_identity"]
+    tid = uuid.uuid4().hex
+    p_leg = {**request, "max_tokens": 1, "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid}}
+    d_leg = {**request, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "producer": ident}}
+    result = {}
+    if order == "registration_first":
+        t = threading.Thread(target=lambda: result.update(d=post_json(d_url + "/v1/completions", d_leg, timeout=300)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(e["ev"] == "registration" and e["tid"] == tid for e in read_events(events_dir)):
+            assert time.monotonic() < deadline, "registration never reached the producer"
+            time.sleep(0.1)
+        assert post_json(p_url + "/v1/completions", p_leg)[0] == 200
+        t.join()
+    else:
+        assert post_json(p_url + "/v1/completions", p_leg)[0] == 200  # KV ready, held under lease
+        time.sleep(0.5)
+        result["d"] = post_json(d_url + "/v1/completions", d_leg, timeout=300)
+    ev = {e["ev"]: e["t"] for e in read_events(events_dir) if e["tid"] == tid and e["role"] == "producer"}
+    first = "registration" if ev["registration"] < ev["kv_ready"] else "kv_ready"
+    assert first == ("registration" if order == "registration_first" else "kv_ready"), ev
+    return (*result["d"], tid)

@@ -94,7 +94,7 @@ class KVPushConnector(KVConnectorBase_V1):
         return None  # the whole request's KV is in place before it is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return None  # the push happens after the request finishes, from the worker thread
+        self._worker.save_kv_layer(layer_name)  # layer streaming only: a fence and a queue put
 
     def wait_for_save(self) -> None:
         return None

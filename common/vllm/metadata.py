@@ -35,6 +35,18 @@ class SendOp:
 
 
 @dataclass(frozen=True)
+class StreamOp:
+    """Producer, layer streaming: this step computes the prompt up to `num_tokens`; as each layer's KV is
+    written, tokens [0, num_tokens) of it are in these blocks."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class AbortOp:
     req_id: str
     transfer_id: str
@@ -59,3 +71,4 @@ class KVPushMetadata(KVConnectorMetadata):
     sends: list[SendOp] = field(default_factory=list)
     aborts: list[AbortOp] = field(default_factory=list)
     declines: list[DeclineOp] = field(default_factory=list)
+    streams: list[StreamOp] = field(default_factory=list)

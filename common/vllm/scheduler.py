@@ -13,8 +13,8 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from kvpush_common.protocol.identity import TransferKey
-from kvpush_common.vllm.metadata import AbortOp, DeclineOp, KVPushMetadata, RecvOp, SendOp
-from kvpush_common.protocol.legs import DecodeLeg, IdentityProbe, parse_leg
+from kvpush_common.vllm.metadata import AbortOp, DeclineOp, KVPushMetadata, RecvOp, SendOp, StreamOp
+from kvpush_common.protocol.legs import DecodeLeg, IdentityProbe, PrefillLeg, parse_leg
 from kvpush_common.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class SchedulerSide:
         self._receiver: dict[TransferKey, str] = {}  # consumer: key -> the request receiving it
         self._received: OrderedDict[TransferKey, None] = OrderedDict()  # consumer: receives that ended (bounded)
         self._sender: dict[TransferKey, str] = {}  # producer: key -> the request sending it
+        self._prefilling: dict[str, Prefill] = {}  # producer, layer streaming: requests still being prefilled
 
     # ---- consumer ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -66,6 +67,9 @@ class SchedulerSide:
                 and remaining <= self.settings.local_prefill_max_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.settings.role == "producer":
+            self._track_prefill(request)
+            return
         if num_external_tokens <= 0 or request.request_id in self._handled:
             return
         leg = parse_leg(request.kv_transfer_params)
@@ -82,9 +86,53 @@ class SchedulerSide:
     # ---- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVPushMetadata:
         meta, self._meta = self._meta, KVPushMetadata()
+        if self._prefilling:
+            meta.streams = self._stream_ops(scheduler_output)
         return meta
 
+    # ---- producer, layer streaming -------------------------------------------------------------
+    def _track_prefill(self, request) -> None:
+        if not (self.settings.stream_layers and self.settings.mode == "push"):
+            return
+        leg = parse_leg(request.kv_transfer_params)
+        if isinstance(leg, PrefillLeg):
+            self._prefilling[request.request_id] = Prefill(TransferKey(leg.transfer_id, leg.attempt),
+                                                           request.num_prompt_tokens)
+
+    def _stream_ops(self, so) -> list[StreamOp]:
+        """This step's prompt chunk of each request being prefilled (vLLM's block lists grow per step)."""
+        ops = []
+        for new in so.scheduled_new_reqs:
+            p = self._prefilling.get(new.req_id)
+            if p is not None:
+                p.block_ids = list(new.block_ids[0])
+                ops.append(self._stream_op(new.req_id, p, new.num_computed_tokens, so))
+        cached = so.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        flags = getattr(cached, "resumed_from_preemption", None) or ()
+        for i, req_id in enumerate(cached.req_ids):
+            p = self._prefilling.get(req_id)
+            if p is None:
+                continue
+            if req_id in resumed or (i < len(flags) and flags[i]):
+                del self._prefilling[req_id]  # preempted: its blocks were freed; the whole push sends it
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids:
+                p.block_ids.extend(new_ids[0])
+            ops.append(self._stream_op(req_id, p, cached.num_computed_tokens[i], so))
+        return [op for op in ops if op is not None]
+
+    def _stream_op(self, req_id: str, p: "Prefill", computed: int, so) -> StreamOp | None:
+        upto = min(computed + so.num_scheduled_tokens.get(req_id, 0), p.num_prompt_tokens)
+        if upto >= p.num_prompt_tokens:
+            del self._prefilling[req_id]  # its last prompt chunk: the whole push follows
+        if upto <= computed:
+            return None
+        return StreamOp(req_id, p.key.transfer_id, p.key.attempt, tuple(p.block_ids), upto)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._prefilling.pop(request.request_id, None)
         leg = parse_leg(request.kv_transfer_params)
         if leg is None:
             return False, None
@@ -135,6 +183,15 @@ class SchedulerSide:
         """Keep the engine stepping while blocks wait for a transfer to end (so get_finished runs)."""
         return bool(self._sending or self._abandoned or self._meta.recvs or self._meta.sends or self._meta.aborts
                     or self._meta.declines)
+
+
+class Prefill:
+    """A producer request being prefilled: its transfer key, prompt length and blocks so far."""
+
+    def __init__(self, key: TransferKey, num_prompt_tokens: int):
+        self.key = key
+        self.num_prompt_tokens = num_prompt_tokens
+        self.block_ids: list[int] = []
 
 
 def _identity_dict(settings: ConnectorSettings) -> dict:

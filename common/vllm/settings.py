@@ -40,6 +40,8 @@ class ConnectorSettings:
     # computes them itself and registers nothing (the producer is told and releases that KV once ready).
     # 0: always receive.  256 = 16 blocks of 16, 2 of 128: a turn's new tokens in a multi-turn chat.
     local_prefill_max_tokens: int = 256
+    # Producer, push: WRITE each layer's KV while the prefill runs (EndpointConfig.stream_layers)
+    stream_layers: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -80,6 +82,7 @@ class ConnectorSettings:
             kv_fence=_choice(extra, "kv_fence", ("output", "event")),
             progress_thread=_flag(extra, "progress_thread"),
             local_prefill_max_tokens=_non_negative(extra, "local_prefill_max_tokens", 256),
+            stream_layers=bool(_flag(extra, "stream_layers")),
             staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
                                                 "staging_partitions") if k in extra},
         )
@@ -92,7 +95,7 @@ class ConnectorSettings:
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
                               base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params),
                                                         progress_thread=self.progress_thread),
-                              secret=self.secret, **self.periods, **self.staging)
+                              secret=self.secret, stream_layers=self.stream_layers, **self.periods, **self.staging)
 
 
 def _choice(extra: dict, key: str, allowed: tuple[str, ...]) -> str:

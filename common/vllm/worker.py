@@ -17,6 +17,7 @@ from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.endpoint.producer import ProducerEndpoint
 from kvpush_common.state.rendezvous import Outcome, Release
+from kvpush_common.protocol.layout import layer_order
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.vllm.compat import TransferResults
 from kvpush_common.vllm.metadata import KVPushMetadata
@@ -39,10 +40,13 @@ class WorkerSide:
         self._released: set[str] = set()  # producer: released but not yet reported finished by the scheduler
         self._finished_unsent: set[str] = set()  # named finished last step with no send known
         self._hooks: dict = {}  # hook name -> its kvpush_engine_hook_seconds child, once an endpoint is bound
+        self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the KV layout
+        self._streaming: tuple = ()  # producer, layer streaming: this step's (transfer_id, attempt, blocks, tokens)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
         backend = self._make_backend(kv_caches, first)
+        self._layer_index = {name: i for i, name in enumerate(sorted(kv_caches, key=layer_order))}
         cfg = self.settings.endpoint_config(self.rank)
         cls = ProducerEndpoint if self.settings.role == "producer" else ConsumerEndpoint
         self._bind(cls(cfg, backend).start())
@@ -56,7 +60,8 @@ class WorkerSide:
 
     def _bind(self, endpoint: ProducerEndpoint | ConsumerEndpoint) -> None:
         self.endpoint = endpoint
-        self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results")}
+        self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results",
+                                                                             "save_kv_layer")}
 
     def _timed(self, hook: str, started: float) -> None:
         histogram = self._hooks.get(hook)
@@ -72,6 +77,7 @@ class WorkerSide:
 
     def _hand_over(self, meta: KVPushMetadata) -> None:
         ep = self.endpoint
+        self._streaming = tuple((op.transfer_id, op.attempt, op.block_ids, op.num_tokens) for op in meta.streams)
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
@@ -89,6 +95,17 @@ class WorkerSide:
             ep.abort(op.transfer_id, op.attempt, op.reason)
         for op in meta.declines:
             ep.decline(op.transfer_id, op.attempt, op.producer, op.reason)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer streaming: this layer's KV of the step is queued on the device; hand it over (one fence
+        and one queue put, only on steps that prefill a streamed request)."""
+        if not self._streaming or self.endpoint is None:
+            return
+        started = time.perf_counter()
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            self.endpoint.layers_ready(self._streaming, layer, layer + 1)
+        self._timed("save_kv_layer", started)
 
     @staticmethod
     def _later(delay_s: float, fn, args) -> None:

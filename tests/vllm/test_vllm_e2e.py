@@ -15,8 +15,9 @@ import uuid
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, free_port_pair,
-                                                get_json, make_model, post_json, prompts, scratch_dir, wait_healthy)
+from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, direct_legs,
+                                                free_port_pair, get_json, make_model, post_json, prompts, scratch_dir,
+                                                wait_healthy)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -157,40 +158,12 @@ def test_control_prefill_with_other_weights_changes_the_output(cluster):
     assert all(differ), differ
 
 
-def _direct_legs(cluster, prompt: str, order: str) -> str:
-    """Send the two legs ourselves to force an arrival order at the producer."""
-    status, probe = post_json(cluster["P"].url + "/v1/completions",
-                              {"model": "tiny", "prompt": "ping", "max_tokens": 1, "kv_transfer_params": {"kvpush": "identity"}})
-    ident = probe["kv_transfer_params"]["kvpush_identity"]
-    tid = uuid.uuid4().hex
-    p_leg = {**GEN, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid}}
-    d_leg = {**GEN, "prompt": prompt, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "producer": ident}}
-    result = {}
-    if order == "registration_first":
-        t = threading.Thread(target=lambda: result.update(d=post_json(cluster["D"].url + "/v1/completions", d_leg, timeout=300)))
-        t.start()
-        deadline = time.monotonic() + 30
-        while not any(e["ev"] == "registration" and e["tid"] == tid for e in read_events(cluster["events"])):
-            assert time.monotonic() < deadline, "registration never reached the producer"
-            time.sleep(0.1)
-        assert post_json(cluster["P"].url + "/v1/completions", p_leg)[0] == 200
-        t.join()
-    else:
-        assert post_json(cluster["P"].url + "/v1/completions", p_leg)[0] == 200  # KV ready, held under lease
-        time.sleep(0.5)
-        result["d"] = post_json(cluster["D"].url + "/v1/completions", d_leg, timeout=300)
-    status, body = result["d"]
-    assert status == 200, body
-    ev = {e["ev"]: e["t"] for e in read_events(cluster["events"]) if e["tid"] == tid and e["role"] == "producer"}
-    first = "registration" if ev["registration"] < ev["kv_ready"] else "kv_ready"
-    assert first == ("registration" if order == "registration_first" else "kv_ready"), ev
-    return body["choices"][0]["text"]
-
-
 @pytest.mark.parametrize("order", ["registration_first", "ready_first"])
 def test_both_arrival_orders(cluster, order):
     prompt = prompts()[3]
-    assert _direct_legs(cluster, prompt, order) == reference(cluster, prompt)
+    status, body, _ = direct_legs(cluster["P"].url, cluster["D"].url, cluster["events"], {**GEN, "prompt": prompt}, order)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == reference(cluster, prompt)
 
 
 def test_partial_prefix_hit_on_decode_places_blocks_right(cluster):
