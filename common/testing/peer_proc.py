@@ -163,6 +163,18 @@ class Peer:
         self.ep.layers_ready([(tid, attempt, blocks, num_tokens)], first, end)
         return {}
 
+    def op_prefill(self, tid, attempt, blocks, num_tokens, layer_ms, stream):
+        """A simulated prefill (benchmarks): each layer takes `layer_ms`, then (`stream`) hands its KV over as
+        save_kv_layer does; finally the whole KV is ready.  Returns when the last layer ended (wall clock)."""
+        layers = self.backend.layout().num_layers
+        for layer in range(layers):
+            time.sleep(layer_ms / 1e3)
+            if stream:
+                self.ep.layers_ready([(tid, attempt, blocks, num_tokens)], layer, layer + 1)
+        done = time.time()
+        self.ep.kv_ready(tid, attempt, blocks, num_tokens)
+        return {"prefill_done": done}
+
     def op_expect(self, tid, attempt, producer, blocks, num_tokens, first_token=0):
         self.ep.expect(tid, attempt, ProducerIdentity(**producer), blocks, num_tokens, first_token)
         return {}

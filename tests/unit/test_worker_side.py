@@ -15,12 +15,16 @@ class StubEndpoint:
     def __init__(self):
         self.results = deque()
         self.stats = EndpointStats("P", "producer")
+        self.layers = []
 
     def event(self, *a, **k):
         pass
 
     def kv_ready(self, *a, **k):
         pass
+
+    def layers_ready(self, requests, first, end):
+        self.layers.append((requests, first, end))
 
     def take_finished(self):
         out, self.results = list(self.results), deque()
@@ -49,7 +53,23 @@ def test_a_send_is_reported_after_both_its_release_and_its_finish_in_either_orde
     # the engine thread's time in each hook is observed once per call (kvpush_engine_hook_seconds)
     counts = {s.labels["hook"]: s.value for m in w.endpoint.stats.registry.collect() for s in m.samples
               if s.name == "kvpush_engine_hook_seconds_count"}
-    assert counts == {"start_load_kv": 2.0, "transfer_results": 3.0}
+    assert counts == {"start_load_kv": 2.0, "transfer_results": 3.0, "save_kv_layer": 0.0}
+
+
+def test_save_kv_layer_hands_each_layer_of_a_streamed_step_over_and_nothing_otherwise():
+    from kvpush_common.vllm.metadata import StreamOp
+
+    w = worker()
+    w._layer_index = {"model.layers.0.attn": 0, "model.layers.1.attn": 1}
+    w.start_load_kv(KVPushMetadata(streams=[StreamOp("a", "ta", 0, (4, 5), 20)]))
+    w.save_kv_layer("model.layers.0.attn")
+    w.save_kv_layer("model.layers.1.attn")
+    w.save_kv_layer("not.a.kv.layer")  # e.g. a layer without its own KV cache: ignored
+    chunk = (("ta", 0, (4, 5), 20),)
+    assert w.endpoint.layers == [(chunk, 0, 1), (chunk, 1, 2)]
+    w.start_load_kv(KVPushMetadata())  # a step with no request being prefilled: the hook does nothing
+    w.save_kv_layer("model.layers.0.attn")
+    assert len(w.endpoint.layers) == 2
 
 
 def test_requests_with_no_send_are_forgotten():
