@@ -24,7 +24,7 @@ from kvpush_common.endpoint.handshake import HandshakeServer
 from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LayersReady, LocalAbort
 from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, LayerBatch, ReadPin, StagedPush, Transfer
 from kvpush_common.protocol.identity import TransferKey
-from kvpush_common.plan.planner import PlanError, plan_transfer
+from kvpush_common.plan.planner import PlanError, TransferPlan, plan_transfer
 from kvpush_common.plan.staging import LentSlots, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
 from kvpush_common.state.layer_stream import LayerChunk, LayerStream
 from kvpush_common.state.rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
@@ -316,18 +316,25 @@ class ProducerEndpoint(Endpoint):
             self.stats.writes_posted.inc()
             self.stats.writes_staged.inc()
             return self._advance_staged(push, now)
-        first = self._first_unstreamed(a, stream)
-        if first >= a.ready.num_tokens:  # every layer streamed already: WriteDone alone (the bytes landed)
-            self.event("posted", a.key, consumer_rank=peer.rank, nbytes=0, descs=0, from_token=first)
-            sent = self._send(peer, self._done_msg(a.key, 0, 0))
-            return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
-        dst_blocks = a.reg.block_ids[(first - a.reg.first_token) // peer.layout.block_size:]
-        prepped = self._remote_prepped.get(a.dest)
+        spans = None  # layer streaming landed some of it: the rest, as one WRITE
+        if stream is not None and stream.streamed(a.dest):
+            stream.complete(a.ready.num_tokens, a.ready.block_ids)
+            spans = stream.spans_for(a.dest, a.reg.first_token, a.reg.num_tokens, self._align(peer))
+            if not spans:  # every layer landed already: WriteDone alone (the bytes are there)
+                self.event("posted", a.key, consumer_rank=peer.rank, nbytes=0, descs=0, from_token=a.ready.num_tokens)
+                sent = self._send(peer, self._done_msg(a.key, 0, 0))
+                return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
+        prepped = self._remote_prepped.get(a.dest) if spans is None else None
         try:
-            plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, dst_blocks,
-                              num_tokens=a.ready.num_tokens, dst_first_token=first, prepped=prepped is not None)
+            if spans is None:
+                plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
+                                  num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
+                                  prepped=prepped is not None)
+            else:
+                plan = self._plan_spans(peer, route, a.reg, spans)
         except PlanError as e:
             return self._fail_write(a, "bad_registration", str(e), now)
+        first = a.reg.first_token if spans is None else min(x.from_token for x in spans)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
         t_planned = self.clock()
         try:
@@ -368,15 +375,19 @@ class ProducerEndpoint(Endpoint):
             except ValueError as e:
                 log.warning("layer streaming of %s: %s", key, e)
 
-    def _first_unstreamed(self, a: StartWrite, stream: LayerStream | None) -> int:
-        """The first token the whole push sends into `a.dest`: where every streamed layer landed, rounded
-        down to a block both sides share (a block cut by a chunk boundary goes again), never below the
-        consumer's own prefix."""
-        covered = stream.covered(a.dest) if stream is not None else 0
-        if not covered:
-            return a.reg.first_token
-        align = self._align(self._peers[a.dest])
-        return max(a.reg.first_token, covered // align * align)
+    def _plan_spans(self, peer: Peer, route, reg: Register, spans) -> TransferPlan:
+        """One descriptor list for layer spans (each planned on its layer slice of both layouts)."""
+        plans = []
+        for span in spans:
+            src = layer_slice(self.layout, span.first, span.end)
+            dst = layer_slice(peer.layout, span.first, span.end)
+            plans.append(plan_write(src, dst, route, span.block_ids,
+                                    reg.block_ids[(span.from_token - reg.first_token) // peer.layout.block_size:],
+                                    num_tokens=span.num_tokens, dst_first_token=span.from_token))
+        if len(plans) == 1:
+            return plans[0]
+        return TransferPlan(np.concatenate([p.src for p in plans]), np.concatenate([p.dst for p in plans]),
+                            sum(p.nbytes for p in plans))
 
     def _align(self, peer: Peer) -> int:
         return math.lcm(self.layout.block_size, peer.layout.block_size)
@@ -405,25 +416,19 @@ class ProducerEndpoint(Endpoint):
 
     def _post_batch(self, key: TransferKey, stream: LayerStream, peer: Peer, reg: Register, spans, now: float) -> None:
         dest = (peer.engine_id, peer.rank)
-        route = self._route_to(peer)
-        handles, nbytes, error = [], 0, None
-        for span in spans:
-            try:
-                src = layer_slice(self.layout, span.first, span.end)
-                dst = layer_slice(peer.layout, span.first, span.end)
-                plan = plan_write(src, dst, route, span.block_ids,
-                                  reg.block_ids[(span.from_token - reg.first_token) // peer.layout.block_size:],
-                                  num_tokens=span.num_tokens, dst_first_token=span.from_token)
-                handles.append(self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
-                                                   peer.layout.mem_type, b""))
-                nbytes += plan.nbytes
-            except (PlanError, TransportError) as e:
-                error = f"layers [{span.first}, {span.end}): {e}"
-                break
+        handles, nbytes, error, t0 = [], 0, None, self.clock()
+        try:
+            plan = self._plan_spans(peer, self._route_to(peer), reg, spans)
+            handles.append(self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
+                                               peer.layout.mem_type, b""))
+            nbytes = plan.nbytes
+        except (PlanError, TransportError) as e:
+            error = f"layers [{spans[0].first}, {spans[-1].end}): {e}"
         stream.posted(dest, spans)
         self._batches.append(LayerBatch(key, dest, handles, now + self.cfg.write_timeout_s, nbytes, error))
         self.stats.layer_batches.inc()
-        self.event("layers_posted", key, consumer_rank=peer.rank, nbytes=nbytes, spans=len(handles),
+        self.event("layers_posted", key, consumer_rank=peer.rank, nbytes=nbytes, spans=len(spans),
+                   post_ms=round((self.clock() - t0) * 1e3, 3),
                    layers=[spans[0].first, spans[-1].end], tokens=[min(s.from_token for s in spans),
                                                                    max(s.num_tokens for s in spans)])
         if error:

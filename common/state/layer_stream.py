@@ -5,10 +5,10 @@ While a request is still being prefilled, each attention layer's KV for the toke
 ready once its device fence passes (`LayerChunk`).  Every destination rank that has registered gets the
 ready layers it does not hold yet in one batch of WRITEs without a notification (`spans_for`); one batch
 per destination is in flight at a time, so a later batch never races an earlier one over a shared block.
-When the whole KV is ready the ordinary push sends what is left, from the first token that every layer
-holds (`covered`), with WriteDone riding on it: the consumer's rule (usable only after WriteDone from
-every producer rank) is unchanged, so no consumer change and no handshake field is needed.  A batch that
-fails only ends streaming into that destination: its `covered` drops to 0, and the final push sends all.
+When the whole KV is ready (`complete`) the push sends only the spans still missing, as one WRITE with
+WriteDone riding on it (or WriteDone alone): the consumer's rule (usable only after WriteDone from every
+producer rank) is unchanged, so no consumer change and no handshake field is needed.  A batch that fails
+only ends streaming into that destination (`streamed` is then false): the push sends it every layer.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class LayerStream:
         for layer in range(self.num_layers):
             to = min(self.ready[layer], num_tokens)
             start = max(first_token, landed[layer] // align * align)
-            if to <= start:
+            if to <= start or landed[layer] >= to:
                 continue
             last = spans[-1] if spans else None
             if last is not None and last.end == layer and (last.from_token, last.num_tokens) == (start, to):
@@ -108,11 +108,15 @@ class LayerStream:
             for layer in range(s.first, s.end):
                 landed[layer] = max(landed[layer], s.num_tokens)
 
-    def covered(self, dest: Dest) -> int:
-        """Tokens [0, covered) of every layer have landed in `dest` (0 after a failed batch)."""
-        if dest in self.broken or dest not in self.landed:
-            return 0
-        return min(self.landed[dest])
+    def complete(self, num_tokens: int, block_ids: tuple[int, ...]) -> None:
+        """The whole KV is ready (every layer holds every token): what is still missing is sent now."""
+        self.ready = [num_tokens] * self.num_layers
+        self.block_ids = tuple(block_ids)
+        self.waiting.clear()
+
+    def streamed(self, dest: Dest) -> bool:
+        """Some batch landed in `dest` and none failed: the whole push may send only what is missing."""
+        return dest in self.landed and dest not in self.broken
 
     def busy(self, dest: Dest | None = None) -> bool:
         """A batch is in flight (into `dest`, or into any destination)."""

@@ -35,7 +35,7 @@ def test_one_batch_per_destination_in_flight_and_the_cut_block_goes_again():
     assert s.spans_for(E, 0, 64, 16) == [LayerSpan(0, 2, 0, 57, (1, 2, 3, 4))]  # another rank is not held up
     assert s.busy(D) and s.busy() and not s.busy(E)
     s.ended(D, ok=True)
-    assert s.covered(D) == 20
+    assert s.streamed(D) and not s.streamed(E)
     # tokens 16..19 landed in a block that was cut: the next span restarts at the block both sides share
     assert s.spans_for(D, 0, 64, 16) == [LayerSpan(0, 2, 16, 57, (1, 2, 3, 4))]
     assert s.spans_for(D, 0, 64, 32) == [LayerSpan(0, 2, 0, 57, (1, 2, 3, 4))]  # lcm of block sizes 32
@@ -63,23 +63,23 @@ def test_a_failed_batch_stops_streaming_into_that_rank_and_covers_nothing():
     s.settle(lambda f: True)
     s.posted(D, s.spans_for(D, 0, 64, 16))
     s.ended(D, ok=False)
-    assert s.covered(D) == 0 and s.spans_for(D, 0, 64, 16) == []
+    assert not s.streamed(D) and s.spans_for(D, 0, 64, 16) == []
     s.closed = True
     assert s.spans_for(E, 0, 64, 16) == []
 
 
-def test_covered_is_the_least_landed_layer():
-    s = stream(2)
-    s.add(LayerChunk(0, 1, (1, 2), 32))
+def test_once_the_whole_kv_is_ready_only_what_did_not_land_is_left():
+    s = stream(3)
+    s.add(LayerChunk(0, 3, (1, 2), 20))
+    s.add(LayerChunk(0, 1, (1, 2, 3), 40))  # layer 0 of the next step; layers 1, 2 not handed over yet
     s.settle(lambda f: True)
-    s.posted(D, s.spans_for(D, 0, 64, 16))
+    s.posted(D, s.spans_for(D, 0, 40, 16))
     s.ended(D, ok=True)
-    assert s.covered(D) == 0  # layer 1 has nothing yet
-    s.add(LayerChunk(1, 2, (1, 2), 32))
-    s.settle(lambda f: True)
-    s.posted(D, s.spans_for(D, 0, 64, 16))
+    s.complete(40, (1, 2, 3))
+    assert s.spans_for(D, 0, 40, 16) == [LayerSpan(1, 3, 16, 40, (1, 2, 3))]  # layer 0 holds every token
+    s.posted(D, s.spans_for(D, 0, 40, 16))
     s.ended(D, ok=True)
-    assert s.covered(D) == 32
+    assert s.spans_for(D, 0, 40, 16) == []  # nothing left: WriteDone goes alone
 
 
 def test_a_chunk_outside_the_layers_is_refused():

@@ -7,7 +7,8 @@ whole KV ready); with streaming on, each layer is handed over as vLLM's save_kv_
 size and mode, medians of `--reps` requests of
 
   exposed_after_prefill  the prefill's last layer ended -> the consumer's KV usable (what TTFT pays)
-  one_layer_wire         a one-layer batch posted -> DONE (streaming mode)
+  one_layer_wire         a one-layer batch: plan + post call + posted -> DONE (streaming mode; on host memory
+                         UCX copies inside the post call, so the post is counted)
 
 and `summary`: exposed_after_prefill_ms_p50_max per mode, one_layer_wire_ms, stream_over_whole_p50 (the
 exposed time, stream / whole, worst size) and the goal: exposed <= one layer's wire + 1 ms.
@@ -74,7 +75,7 @@ def run(kind: str, tokens: list[int], reps: int, layer_ms: float, two: bool) -> 
                     if e["ev"] == "layers_posted":
                         pending = e if e["layers"][1] - e["layers"][0] == 1 else None
                     elif pending is not None:
-                        batches.append((e["t"] - pending["t"]) * 1e3)
+                        batches.append((e["t"] - pending["t"]) * 1e3 + pending.get("post_ms", 0.0))
                         pending = None
                 final = [next(e for e in evs if e["tid"] == t and e["ev"] == "posted") for t in tids]
                 rows.append({"tokens": ntok, "mode": mode, "layer_ms": layer_ms, "bytes": ntok * 128 * 256,
