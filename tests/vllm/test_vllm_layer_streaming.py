@@ -2,9 +2,16 @@
 attention layer runs (`save_kv_layer`), step by step of a chunked prefill (`--max-num-batched-tokens 64`
 cuts prompts of up to ~330 tokens into up to 6 steps, and 128-token blocks mid-way), and the whole push then
 sends only what is left with WriteDone.  Every answer equals the prefill instance answering alone (the same
-chunked single instance), through the router and with both arrival orders forced."""
+chunked single instance), through the router and with both arrival orders forced.  Last, a second prefill
+instance whose whole-KV readiness comes 5 s after its prefill is SIGKILLed once its layers have landed in
+the decode's blocks: the decode never uses those bytes (no WriteDone), ends the wait within its bound and
+recomputes the prompt exactly."""
 
 from __future__ import annotations
+
+import threading
+import time
+import uuid
 
 import pytest
 
@@ -12,6 +19,8 @@ from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, direct_legs,
                                                 free_port_pair, make_model, post_json, prompts, scratch_dir,
                                                 wait_healthy)
+
+KILL_DELAY_S = 5.0  # Pk reports the whole KV ready this long after its prefill: the window to kill it in
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -27,16 +36,21 @@ def cluster():
     model = make_model(work / "tiny", seed=0)
     p = VllmServer("P", model, role="kv_producer", log_dir=work, core="0", env={"KVPUSH_EVENT_DIR": str(events)},
                    extra={"port": free_port_pair(), "stream_layers": True, **FAST}, args=CHUNKED)
+    pk = VllmServer("Pk", model, role="kv_producer", log_dir=work, core="0", env={"KVPUSH_EVENT_DIR": str(events)},
+                    extra={"port": free_port_pair(), "stream_layers": True, "debug_ready_delay_s": KILL_DELAY_S,
+                           **FAST}, args=CHUNKED)
+    # D recomputes a prompt whose KV never came, in the same chunks as P (so the answer is P's exactly)
     d = VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", env={"KVPUSH_EVENT_DIR": str(events)},
+                   failure_policy="recompute", args=CHUNKED,
                    extra={"transfer_timeout_s": 15, "local_prefill_max_tokens": 0, **FAST})  # always receive
     router = None
     try:
-        wait_healthy([p, d], timeout=600)
+        wait_healthy([p, pk, d], timeout=600)
         router = Router(mode="push", prefill=[p.url], decode=[d.url], log_dir=work, extra=["--retries", "1"])
         wait_healthy([router], timeout=120)
-        yield {"P": p, "D": d, "router": router, "events": events}
+        yield {"P": p, "Pk": pk, "D": d, "router": router, "events": events}
     finally:
-        for proc in (router, p, d):
+        for proc in (router, p, pk, d):
             if proc is not None:
                 proc.stop()
 
@@ -90,3 +104,38 @@ def test_ready_first_has_no_registration_to_stream_into_and_still_matches(cluste
     assert not [e for e in ev if e["ev"] == "layers_posted"]
     (posted,) = [e for e in ev if e["ev"] == "posted"]
     assert posted["from_token"] == 0
+
+
+def test_a_prefill_killed_after_its_layers_landed_leaves_the_decode_to_recompute_exactly(cluster):
+    prompt = "# killed\n" + prompts()[4]
+    ref = reference(cluster, prompt)
+    _, probe = post_json(cluster["Pk"].url + "/v1/completions", {"model": "tiny", "prompt": "ping", "max_tokens": 1,
+                                                                 "kv_transfer_params": {"kvpush": "identity"}})
+    ident = probe["kv_transfer_params"]["kvpush_identity"]
+    tid = uuid.uuid4().hex
+    d_leg = {**GEN, "prompt": prompt, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "producer": ident}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(d=post_json(cluster["D"].url + "/v1/completions", d_leg,
+                                                                  timeout=300)))
+    t.start()
+
+    def seen(ev: str) -> bool:
+        return any(e["ev"] == ev for e in producer_events(cluster, tid))
+
+    deadline = time.monotonic() + 30
+    while not seen("registration"):
+        assert time.monotonic() < deadline, "registration never reached the producer"
+        time.sleep(0.05)
+    p_leg = {**GEN, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid}}
+    assert post_json(cluster["Pk"].url + "/v1/completions", p_leg)[0] == 200  # prefilled; readiness comes later
+    while not seen("layers_done"):
+        assert time.monotonic() < deadline, "no layer batch landed"
+        time.sleep(0.05)
+    assert not seen("kv_ready")  # streamed bytes are in D's blocks, but the whole KV was never ready
+    cluster["Pk"].kill()
+    t.join(timeout=120)
+    assert not t.is_alive(), "decode request still waiting long after its bound"
+    status, body = result["d"]
+    assert status == 200 and body["choices"][0]["text"] == ref, body  # recomputed, exactly
+    d_ev = [e for e in read_events(cluster["events"]) if e["tid"] == tid and e["role"] == "consumer"]
+    assert any(e["ev"] == "recv_failed" for e in d_ev) and not any(e["ev"] == "received" for e in d_ev), d_ev
