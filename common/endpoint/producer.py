@@ -360,7 +360,7 @@ class ProducerEndpoint(Endpoint):
         self.stats.post_seconds.observe(self.clock() - t_post)
         return []
 
-    # ---- layer streaming (design 5.5) ----------------------------------------------------------------
+    # ---- layer streaming (design 3.2) ----------------------------------------------------------------
     def _on_layers(self, item: LayersReady, now: float) -> None:
         if self.cfg.mode != "push":
             return
@@ -424,6 +424,10 @@ class ProducerEndpoint(Endpoint):
             nbytes = plan.nbytes
         except (PlanError, TransportError) as e:
             error = f"layers [{spans[0].first}, {spans[-1].end}): {e}"
+        except Exception as e:  # a bug here must cost only this stream, never the worker step
+            log.exception("layer batch %s -> %s", key, peer.agent)
+            self.stats.worker_errors.inc()
+            error = f"internal error: {e!r}"
         stream.posted(dest, spans)
         self._batches.append(LayerBatch(key, dest, handles, now + self.cfg.write_timeout_s, nbytes, error))
         self.stats.layer_batches.inc()
