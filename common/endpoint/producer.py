@@ -74,14 +74,17 @@ class ProducerEndpoint(Endpoint):
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
 
-    def layers_ready(self, requests, first_layer: int, end_layer: int) -> None:
+    @staticmethod
+    def layer_chunks(requests) -> tuple:
+        """Once per step: (transfer_id, attempt, block_ids, num_tokens) of each request being prefilled, in the
+        form `layers_ready` hands over as it is, layer after layer."""
+        return tuple((TransferKey(t, a), tuple(map(int, b)), int(n)) for t, a, b, n in requests)
+
+    def layers_ready(self, chunks: tuple, first_layer: int, end_layer: int) -> None:
         """Layer streaming, engine thread, once per layer range of a step: layers [first_layer, end_layer)
-        of each request, given as (transfer_id, attempt, block_ids, num_tokens), now hold tokens
-        [0, num_tokens) (one device fence for all; nothing else happens here)."""
-        if not self.cfg.stream_layers:
-            return
-        chunks = tuple((TransferKey(t, a), tuple(map(int, b)), int(n)) for t, a, b, n in requests)
-        if chunks:
+        of each request in `chunks` (from `layer_chunks`) now hold tokens [0, num_tokens): one device fence
+        and one queue put, nothing else."""
+        if self.cfg.stream_layers and chunks:
             self._enqueue(LayersReady(chunks, first_layer, end_layer, self.backend.mark_kv_written()))
 
     @property
@@ -416,11 +419,11 @@ class ProducerEndpoint(Endpoint):
 
     def _post_batch(self, key: TransferKey, stream: LayerStream, peer: Peer, reg: Register, spans, now: float) -> None:
         dest = (peer.engine_id, peer.rank)
-        handles, nbytes, error, t0 = [], 0, None, self.clock()
+        handle, nbytes, error, t0 = None, 0, None, self.clock()
         try:
             plan = self._plan_spans(peer, self._route_to(peer), reg, spans)
-            handles.append(self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
-                                               peer.layout.mem_type, b""))
+            handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
+                                         peer.layout.mem_type, b"")
             nbytes = plan.nbytes
         except (PlanError, TransportError) as e:
             error = f"layers [{spans[0].first}, {spans[-1].end}): {e}"
@@ -429,7 +432,7 @@ class ProducerEndpoint(Endpoint):
             self.stats.worker_errors.inc()
             error = f"internal error: {e!r}"
         stream.posted(dest, spans)
-        self._batches.append(LayerBatch(key, dest, handles, now + self.cfg.write_timeout_s, nbytes, error))
+        self._batches.append(LayerBatch(key, dest, handle, now + self.cfg.write_timeout_s, nbytes, error))
         self.stats.layer_batches.inc()
         self.event("layers_posted", key, consumer_rank=peer.rank, nbytes=nbytes, spans=len(spans),
                    post_ms=round((self.clock() - t0) * 1e3, 3),
@@ -440,17 +443,12 @@ class ProducerEndpoint(Endpoint):
 
     def _poll_batches(self, now: float) -> None:
         for batch in list(self._batches):
-            for handle in list(batch.handles):
-                state = self._settle(handle, now, batch.deadline)
+            if batch.handle is not None:
+                state = self._settle(batch.handle, now, batch.deadline)
                 if state is None:
-                    continue
-                batch.handles.remove(handle)
+                    continue  # on the wire
                 if state != "DONE":
-                    batch.error = batch.error or f"a layer WRITE ended in {state}"
-                else:
-                    batch.done += 1
-            if batch.handles:
-                continue
+                    batch.error = f"a layer WRITE ended in {state}"
             self._batches.remove(batch)
             stream = self._streams.get(batch.key)
             if stream is not None:
@@ -470,10 +468,7 @@ class ProducerEndpoint(Endpoint):
         stream = self._streams.get(a.key)
         if stream is None:
             return False
-        if isinstance(a, Release):
-            stream.closed = True
-            return stream.busy()
-        return stream.busy(a.dest)
+        return stream.busy() if isinstance(a, Release) else stream.busy(a.dest)
 
     def _same_incarnation(self, a: StartWrite, peer: Peer) -> bool:
         """Block ids in a registration name memory of the process that sent it, never of its successor."""

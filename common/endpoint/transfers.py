@@ -58,13 +58,13 @@ class ReadPin(Transfer):
 
 @dataclass
 class LayerBatch:
-    """Layer streaming: the WRITEs (no notification) of one batch of layers into one consumer rank; its
-    request's WriteDone, and any result that lets either side free blocks, waits until all of them end."""
+    """Layer streaming: the one WRITE (no notification) of a batch of layers into one consumer rank; its
+    request's WriteDone, and any result that lets either side free blocks, waits until it ended.  No handle:
+    the batch could not be posted (`error` says why)."""
 
     key: TransferKey
     dest: Dest
-    handles: list
+    handle: object
     deadline: float
     nbytes: int
     error: str | None = None
-    done: int = 0

@@ -62,7 +62,7 @@ class LayerStream:
         self.waiting.append(chunk)
 
     def settle(self, written: Callable[[object], bool]) -> None:
-        """Chunks whose fence passed become ready (a fence of a later step implies the earlier ones)."""
+        """Chunks whose fence passed become ready (each fence is asked; they pass in any order)."""
         passed = [c for c in self.waiting if written(c.fence)]
         if not passed:
             return

@@ -160,17 +160,18 @@ class Peer:
 
     def op_layers(self, tid, attempt, blocks, num_tokens, first, end):
         """Layer streaming: layers [first, end) of this request hold tokens [0, num_tokens) (a prefill step)."""
-        self.ep.layers_ready([(tid, attempt, blocks, num_tokens)], first, end)
+        self.ep.layers_ready(self.ep.layer_chunks([(tid, attempt, blocks, num_tokens)]), first, end)
         return {}
 
     def op_prefill(self, tid, attempt, blocks, num_tokens, layer_ms, stream):
         """A simulated prefill (benchmarks): each layer takes `layer_ms`, then (`stream`) hands its KV over as
         save_kv_layer does; finally the whole KV is ready.  Returns when the last layer ended (wall clock)."""
         layers = self.backend.layout().num_layers
+        chunks = self.ep.layer_chunks([(tid, attempt, blocks, num_tokens)])
         for layer in range(layers):
             time.sleep(layer_ms / 1e3)
             if stream:
-                self.ep.layers_ready([(tid, attempt, blocks, num_tokens)], layer, layer + 1)
+                self.ep.layers_ready(chunks, layer, layer + 1)
         done = time.time()
         self.ep.kv_ready(tid, attempt, blocks, num_tokens)
         return {"prefill_done": done}

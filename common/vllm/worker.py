@@ -77,7 +77,9 @@ class WorkerSide:
 
     def _hand_over(self, meta: KVPushMetadata) -> None:
         ep = self.endpoint
-        self._streaming = tuple((op.transfer_id, op.attempt, op.block_ids, op.num_tokens) for op in meta.streams)
+        # built once per step (not per layer): save_kv_layer hands this tuple over as it is
+        self._streaming = ep.layer_chunks((op.transfer_id, op.attempt, op.block_ids, op.num_tokens)
+                                          for op in meta.streams) if meta.streams else ()
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id

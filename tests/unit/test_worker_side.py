@@ -23,8 +23,12 @@ class StubEndpoint:
     def kv_ready(self, *a, **k):
         pass
 
-    def layers_ready(self, requests, first, end):
-        self.layers.append((requests, first, end))
+    @staticmethod
+    def layer_chunks(requests):
+        return tuple(requests)
+
+    def layers_ready(self, chunks, first, end):
+        self.layers.append((chunks, first, end))
 
     def take_finished(self):
         out, self.results = list(self.results), deque()
