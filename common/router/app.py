@@ -460,18 +460,26 @@ class Router:
             self.health[url].record(now, error, timed_out)
 
     async def _scrape_load(self, url: str) -> None:
-        """The instance's queue and KV-cache use from its /metrics (the kv-aware policy's load term)."""
+        """The instance's queue and KV-cache use from its /metrics (the kv-aware policy's load term).  A decode
+        instance lists a request waiting for its KV as waiting: the ones this router sent are its own in
+        flight, counted once (as in flight), so its waiting is what the page shows beyond them -- else a
+        conversation's next turn could leave the decode holding its history for a queue that is only ours."""
+        decode = self.d_instances.get(url)
+        ours_before = (decode.in_flight, decode.sent) if decode is not None else (0, 0)
         timeout = aiohttp.ClientTimeout(total=self._probe_timeout_s)
         try:
             async with self.session.get(f"{url}/metrics", timeout=timeout) as resp:
                 load = parse_vllm_load(await resp.text()) if resp.status == 200 else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError):
             load = {}
-        for inst in (self.p_instances.get(url), self.d_instances.get(url)):
+        for inst in (self.p_instances.get(url), decode):
             if inst is not None:
                 inst.waiting = load.get("waiting", 0.0)
                 inst.running = load.get("running", 0.0)
                 inst.kv_usage = load.get("kv_usage", 0.0)
+        if decode is not None:  # ours the page may count: in flight when asked, or sent while it was read
+            ours = ours_before[0] + (decode.sent - ours_before[1])
+            decode.waiting = max(0.0, decode.waiting - ours)
 
     def _healthy(self, instances: list[Instance], avoid: set[str] = frozenset()) -> list[Instance]:
         """The instances to choose from: healthy ones not to avoid; else any not to avoid; else all."""
@@ -566,7 +574,7 @@ class Router:
                 continue
             finally:
                 if decode is not None:
-                    decode.in_flight -= 1
+                    decode.leave()
         return await self._fail(ctx, "retries_exhausted", "failed", 502,
                                 f"no attempt succeeded in all {self.config.retries + 1} attempts; last: {last}")
 
@@ -601,7 +609,7 @@ class Router:
         decode_task = None
         if d_params is not None:
             decode_task = asyncio.create_task(self._first_output(decode_url, ctx, d_params))
-        d_choice.instance.in_flight += 1  # until the request is relayed (then the caller ends it)
+        d_choice.instance.enter()  # until the request is relayed (then the caller ends it)
         try:
             pending = {t for t in (prefill_task, decode_task) if t}
             while prefill_task in pending:
@@ -623,7 +631,7 @@ class Router:
                 decode_task = asyncio.create_task(self._first_output(decode_url, ctx, reply.kv_transfer_params))
             return await decode_task
         except BaseException:
-            d_choice.instance.in_flight -= 1
+            d_choice.instance.leave()
             await _discard(prefill_task, decode_task)
             raise
 
@@ -649,20 +657,20 @@ class Router:
         ctx.stamp("dispatched")
         ctx.stamp("prefill_skipped")
         self.metrics.prefill_skipped.labels(self.mode).inc()
-        d_choice.instance.in_flight += 1  # until the request is relayed (then the caller ends it)
+        d_choice.instance.enter()  # until the request is relayed (then the caller ends it)
         try:
             return await self._first_output(url, ctx, None, local=True)
         except BaseException:
-            d_choice.instance.in_flight -= 1
+            d_choice.instance.leave()
             raise
 
     async def _prefill_leg(self, url: str, ctx: RequestContext, params: dict) -> UpstreamReply:
         inst = self.p_instances[url]
-        inst.in_flight += 1
+        inst.enter()
         try:
             return await self._prefill_answer(url, ctx, params)
         finally:
-            inst.in_flight -= 1
+            inst.leave()
 
     async def _prefill_answer(self, url: str, ctx: RequestContext, params: dict) -> UpstreamReply:
         started = time.monotonic()

@@ -9,7 +9,9 @@ reported on /metrics (scraped in the background by the health loop, never on the
            + full_penalty * [KV cache >= 95 % used]
 
 A chunk is ~64 tokens to compute.  A request in flight there costs little (decode batches grow cheaply);
-one waiting in its queue (no KV room or batch slot) costs as much as ~500 tokens of prefill.
+one waiting in its queue (no KV room or batch slot) costs as much as ~500 tokens of prefill.  A decode
+instance's waiting excludes this router's own requests (there they mostly wait for their KV: counted once,
+as in flight).
 
 Ties go to the instance next in round-robin order, so equal instances still share the load.  The
 choice and its numbers go into the request's timeline (`route`).
@@ -32,10 +34,18 @@ class Instance:
     url: str
     index: PrefixIndex = field(default_factory=PrefixIndex)
     in_flight: int = 0  # this router's requests on it now (exact)
-    waiting: float = 0.0  # vllm:num_requests_waiting, last scrape
+    sent: int = 0  # this router's requests sent to it, ever (which of them a scrape may count)
+    waiting: float = 0.0  # vllm:num_requests_waiting, last scrape (a decode instance's: less this router's)
     running: float = 0.0  # vllm:num_requests_running, last scrape (shown in the timeline, not costed:
     # a running request is already counted in KV use and, if it is this router's, in in_flight)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0-1), last scrape
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.sent += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
 
 
 @dataclass(frozen=True)

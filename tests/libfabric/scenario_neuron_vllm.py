@@ -37,7 +37,10 @@ def cluster():
     p = VllmServer("P", model, role="kv_producer", log_dir=work, core="0", env=events_of(work, "P"),
                    connector=NEURON, args=PLUGIN_BLOCKS, extra={"port": free_port_pair(), **FAST})
     d = VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", env=events_of(work, "D"),
-                   connector=NEURON, args=PLUGIN_BLOCKS, extra={"transfer_timeout_s": 15, **FAST})
+                   connector=NEURON, args=PLUGIN_BLOCKS,
+                   # receive every prompt, even one whose first block an earlier prompt left cached here (the
+                   # prompts share a prefix and run at once: D would compute such a short tail itself)
+                   extra={"transfer_timeout_s": 15, "local_prefill_max_tokens": 0, **FAST})
     dh = VllmServer("Dh", model, role="kv_consumer", log_dir=work, core="1", env=events_of(work, "Dh"),
                     failure_policy="recompute", extra={"transfer_timeout_s": 15, **FAST})
     servers = [p, d, dh]

@@ -502,6 +502,25 @@ async def test_a_busy_or_full_decode_loses_to_an_idle_one_and_load_comes_from_me
 
 
 @run_async
+async def test_a_decode_instance_waiting_counts_only_requests_that_are_not_this_routers():
+    """A push-mode decode instance lists a request waiting for its KV as waiting: this router's own are
+    counted once (in flight), so a conversation's next turn is not sent away from its history for them."""
+    page = 'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+    async with cluster_stack(decodes=1, health_interval_s=30, decode={"metrics": page},
+                             prefill={"metrics": page}) as (client, ps, ds):
+        router = client.server.app[ROUTER_KEY]
+        d, p = router.d_instances[router.decode_urls[0]], router.p_instances[router.prefills[0].url]
+        d.enter(); d.enter(); p.enter()  # two decode legs and one prefill leg of ours in flight
+        await router._scrape_load(d.url)
+        await router._scrape_load(p.url)
+        assert (d.waiting, p.waiting) == (1.0, 3.0)  # a prefill's queue is a real queue: kept whole
+        d.leave(); d.leave()
+        d.enter()  # ours finished, another sent: the page may still count it
+        await router._scrape_load(d.url)
+        assert d.waiting == 2.0
+
+
+@run_async
 async def test_an_unhealthy_decode_is_skipped():
     async with cluster_stack(decodes=2, health_interval_s=0.05) as (client, ps, ds):
         ds[0].healthy = False

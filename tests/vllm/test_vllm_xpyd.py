@@ -98,7 +98,8 @@ def test_multi_turn_follows_the_history_and_skips_the_prefill(cluster):
             if turn == 0:
                 decode_of[i] = route["decode"]
             else:
-                assert route["decode"] == decode_of[i], (i, turn, route)  # the decode holding the history
+                # the decode holding the history (in full on failure: pytest cuts a long repr short)
+                assert route["decode"] == decode_of[i], json.dumps({"conversation": i, "turn": turn, "route": route})
                 assert route["decode_why"]["matched_chunks"] > 0
             convs[i] = prompt + text + f"\n# step {turn + 1}: and now?\n"
     assert len(set(decode_of.values())) == 2  # first turns were spread over both decode instances
