@@ -75,6 +75,22 @@ def test_summary_ratios_pair_points_of_the_same_shape():
         **result["meta"], "command": "c", "shape": "tiny", "output_tokens": 4, "eager": True, "device": "CPU"}})
 
 
+def test_summary_compares_layer_streaming_with_the_whole_push():
+    def pt(mode, n, ttft):
+        return {"mode": mode, "input_len": n, "rate": 1.0, "requests": 2, "ok": 2, "exact": 2, "failed": 0, "hung": 0,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "tpot_p50_ms": 5, "tpot_p99_ms": 5}
+    stages = {"push": {"4096x1": {"P engine: KV ready": 100.0, "D KV usable": 105.0},
+                       "16384x1": {"P engine: KV ready": 900.0, "D KV usable": 980.0}},
+              "push-stream": {"4096x1": {"P engine: KV ready": 120.0, "D KV usable": 121.5},
+                              "16384x1": {"P engine: KV ready": 950.0, "D KV usable": None}}}
+    result = {"meta": {}, "stages": stages,
+              "points": [pt("push", 4096, 200), pt("push-stream", 4096, 210), pt("push", 16384, 1000),
+                         pt("push-stream", 16384, 900)]}
+    s = bench.summarize(result)
+    assert s["ttft_stream_over_whole_p50"] == 1.05  # the worse point
+    assert s["exposed_after_prefill_ms_p50_max"] == {"push": 80.0, "push-stream": 1.5}  # missing stages left out
+
+
 def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
     """A device call runs at most 10 minutes: the sweep runs as one call per mode group, then --merge joins
     them (the single instance, measured by every run, counted once; a point measured twice is refused)."""

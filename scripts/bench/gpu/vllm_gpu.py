@@ -130,7 +130,22 @@ def summarize(result: dict) -> dict:
         "tpot_p50_push_over_nixl_push_max": r3(ratios("push", "nixl-push", "tpot_p50_ms"), max),
         "ttft_p50_nixl_pull_over_push_min": r3(ratios("nixl-pull", "push", "ttft_p50_ms"), min),
         "ttft_p50_pull_over_nixl_pull_max": r3(ratios("pull", "nixl-pull", "ttft_p50_ms"), max),
+        # layer streaming (issue 15): a variant named push-stream against plain push, points of this run
+        "ttft_stream_over_whole_p50": r3(ratios("push-stream", "push", "ttft_p50_ms"), max),
+        "exposed_after_prefill_ms_p50_max": exposed_after_prefill(result.get("stages", {})),
     }
+
+
+def exposed_after_prefill(stages: dict) -> dict:
+    """Per kvpush mode, the worst point's median of P engine: KV ready -> D KV usable (what TTFT pays after
+    the prefill; medians of each stage over the point's requests, so a difference of medians)."""
+    out = {}
+    for mode, points in stages.items():
+        gaps = [p["D KV usable"] - p["P engine: KV ready"] for p in points.values()
+                if p.get("D KV usable") is not None and p.get("P engine: KV ready") is not None]
+        if gaps:
+            out[mode] = round(max(gaps), 1)
+    return out
 
 
 # ---- processes ------------------------------------------------------------------------------------
