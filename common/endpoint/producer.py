@@ -326,6 +326,9 @@ class ProducerEndpoint(Endpoint):
             if not spans:  # every layer landed already: WriteDone alone (the bytes are there)
                 self.event("posted", a.key, consumer_rank=peer.rank, nbytes=0, descs=0, from_token=a.ready.num_tokens)
                 sent = self._send(peer, self._done_msg(a.key, 0, 0))
+                if sent:  # a push like any other on the dashboards (its bytes were counted by its batches)
+                    self.stats.writes_posted.inc()
+                    self.stats.writes_done.inc()
                 return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
         prepped = self._remote_prepped.get(a.dest) if spans is None else None
         try:

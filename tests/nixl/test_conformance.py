@@ -840,6 +840,7 @@ def test_streamed_layers_land_before_the_kv_is_ready_and_the_request_waits_for_w
     counters = cl.producers[0].call("stats")["counters"]
     assert counters["kvpush_layer_batches_total"] >= (2 if order == "registration_first" else 1)
     assert counters["kvpush_layer_batches_failed_total"] == 0
+    assert counters["kvpush_writes_done_total"] == 1  # one push done, even when it was WriteDone alone
 
 
 def test_a_failed_layer_write_only_makes_the_whole_push_send_every_layer(cluster):
