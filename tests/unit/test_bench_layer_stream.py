@@ -26,3 +26,12 @@ def test_the_summary_takes_the_worst_size_of_each_mode_and_checks_the_goal():
 def test_without_a_one_layer_batch_there_is_no_goal_to_judge():
     s = bench.summarize([row(4096, "whole", 18.0), row(4096, "stream", 9.0)])
     assert s["one_layer_wire_ms"] is None and "goal_met" not in s and s["stream_over_whole_p50"] == 0.5
+
+
+def test_the_engine_threads_cost_per_layer_is_summarized():
+    assert bench.hook_stats([], []) == {}
+    hooks = [10.0] * 98 + [100.0, 200.0]
+    got = bench.hook_stats(hooks, [4.0, 5.0, 6.0])
+    assert got["layers_ready_us_p50"] == 10.0 and got["layers_ready_us_p99"] > 100.0 and got["fence_us_p50"] == 5.0
+    rows = [row(4096, "whole", 18.0), {**row(4096, "stream", 2.0, 1.0), **got}]
+    assert bench.summarize(rows)["layers_ready_us_p99_max"] == got["layers_ready_us_p99"]

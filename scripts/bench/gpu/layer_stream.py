@@ -43,6 +43,7 @@ def run(kind: str, tokens: list[int], reps: int, layer_ms: float, two: bool) -> 
     p, d = PeerProcess("P", env), PeerProcess("D", env)
     gpu = (lambda i: {"device": i}) if kind == "cuda" else (lambda i: {})
     rows, done = [], {}
+    hooks, fences = {}, {}  # (tokens, mode) -> the engine thread's us per layers_ready call / per fence alone
     try:
         port = p.call("start", role="producer", cfg=dict(engine_id="P", total_kv_heads=1, stream_layers=True),
                       backend=dict(kind=kind, num_blocks=nblocks, block_size=BLOCK, **GEO, **gpu(0)))["port"]
@@ -57,8 +58,12 @@ def run(kind: str, tokens: list[int], reps: int, layer_ms: float, two: bool) -> 
                     tid = f"{mode}-{ntok}-{rep}"
                     d.call("expect", tid=tid, attempt=0, producer=ref, blocks=list(range(nb, 2 * nb)), num_tokens=ntok)
                     time.sleep(0.05)
-                    done[tid] = p.call("prefill", tid=tid, attempt=0, blocks=list(range(nb)), num_tokens=ntok,
-                                       layer_ms=layer_ms, stream=mode == "stream", timeout=120)["prefill_done"]
+                    out = p.call("prefill", tid=tid, attempt=0, blocks=list(range(nb)), num_tokens=ntok,
+                                 layer_ms=layer_ms, stream=mode == "stream", timeout=120)
+                    done[tid] = out["prefill_done"]
+                    if rep:
+                        hooks.setdefault((ntok, mode), []).extend(out["hook_us"])
+                        fences.setdefault((ntok, mode), []).extend(out["fence_us"])
                     n += 1
                     got = d.call("wait", n=n, seconds=120, timeout=150)["results"]
                     assert got[-1]["ok"], got[-1]
@@ -84,12 +89,23 @@ def run(kind: str, tokens: list[int], reps: int, layer_ms: float, two: bool) -> 
                              "one_layer_wire_ms_p50": round(statistics.median(batches), 3) if batches else None,
                              "layer_batches": len([e for e in one if e["ev"] == "layers_posted"]) // reps,
                              "final_from_token_p50": statistics.median(f.get("from_token", 0) for f in final),
-                             "final_nbytes_p50": statistics.median(f["nbytes"] for f in final)})
+                             "final_nbytes_p50": statistics.median(f["nbytes"] for f in final),
+                             **hook_stats(hooks.get((ntok, mode), []), fences.get((ntok, mode), []))})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         p.close()
         d.close()
     return rows
+
+
+def hook_stats(hook_us: list[float], fence_us: list[float]) -> dict:
+    """The engine thread's cost of save_kv_layer's work (layers_ready: fence + queue put + wake) and of the
+    fence alone, per call, over the measured requests (streaming mode only)."""
+    if not hook_us:
+        return {}
+    q = statistics.quantiles(hook_us, n=100) if len(hook_us) > 1 else hook_us * 99
+    return {"layers_ready_us_p50": round(statistics.median(hook_us), 1), "layers_ready_us_p99": round(q[98], 1),
+            "fence_us_p50": round(statistics.median(fence_us), 1)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -100,6 +116,8 @@ def summarize(rows: list[dict]) -> dict:
     out = {"exposed_after_prefill_ms_p50_max": {m: max(r["exposed_after_prefill_ms_p50"] for r in rs.values())
                                                 for m, rs in (("whole", whole), ("stream", stream))},
            "one_layer_wire_ms": one_layer,
+           "layers_ready_us_p99_max": max((r["layers_ready_us_p99"] for r in stream.values()
+                                           if "layers_ready_us_p99" in r), default=None),
            "stream_over_whole_p50": max(round(stream[t]["exposed_after_prefill_ms_p50"]
                                               / whole[t]["exposed_after_prefill_ms_p50"], 3) for t in stream)}
     if one_layer is not None:  # issue 15: exposed after the prefill <= one layer's wire + 1 ms
