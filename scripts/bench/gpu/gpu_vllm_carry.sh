@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Here (CPU machine, registry access): pack everything the real-vLLM GPU benchmark needs on the GPU machine
-# (no registry there) into .carry-gpu/part.00 .. part.02, each small enough for one device call (64 MiB
+# (no registry there) into .carry-gpu/part.00 .. part.03, each small enough for one device call (64 MiB
 # with the working tree): the CUDA vLLM 0.26.0 bundle (vllm_cuda_bundle.sh), the NIXL
 # wheels (fetch_wheels.sh) and the router's pure-Python wheels (aiohttp, prometheus_client).
 # Then, on the GPU machine, in quick successive calls (the machine is given back ~30 s after a call):
 #   run(command="mkdir -p /tmp/g && cp .carry-gpu/part.00 /tmp/g/", carry=[".carry-gpu/part.00"])
 #   run(command="cp .carry-gpu/part.01 /tmp/g/", carry=[".carry-gpu/part.01"])
-#   run(command="cp .carry-gpu/part.02 /tmp/g/ && . scripts/bench/gpu/gpu_vllm_env.sh && python3 scripts/bench/gpu/vllm_gpu.py ...",
-#       carry=[".carry-gpu/part.02"])
+#   run(command="cp .carry-gpu/part.02 /tmp/g/", carry=[".carry-gpu/part.02"])
+#   run(command="cp .carry-gpu/part.03 /tmp/g/ && . scripts/bench/gpu/gpu_vllm_env.sh && python3 scripts/bench/gpu/vllm_gpu.py ...",
+#       carry=[".carry-gpu/part.03"])
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
@@ -25,6 +26,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna prometheus_client
 tar -C "$work/pack" -cf "$work/all.tar" .
 rm -rf .carry-gpu && mkdir -p .carry-gpu
-split -b 61m -d "$work/all.tar" .carry-gpu/part.
+split -b 46m -d "$work/all.tar" .carry-gpu/part.  # 46 MiB: room for the working tree (~3 MB) and more
 sha256sum "$work/all.tar" | cut -c1-64 > .carry-gpu/sha256
 ls -la .carry-gpu
