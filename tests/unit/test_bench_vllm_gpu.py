@@ -91,6 +91,15 @@ def test_summary_compares_layer_streaming_with_the_whole_push():
     assert s["exposed_after_prefill_ms_p50_max"] == {"push": 80.0, "push-stream": 1.5}  # missing stages left out
 
 
+def test_the_engine_hooks_p99_comes_from_their_histogram_buckets():
+    def b(hook, le, n):
+        return f'kvpush_engine_hook_seconds_bucket{{engine="e",hook="{hook}",le="{le}",role="consumer"}}', n
+    series = dict([b("start_load_kv", "1e-05", 90.0), b("start_load_kv", "5e-05", 99.5), b("start_load_kv", "+Inf", 100.0),
+                   b("save_kv_layer", "+Inf", 0.0), ("kvpush_engine_hook_seconds_count{hook=\"x\"}", 3.0)])
+    got = bench.engine_hook_p99({"push": {"D": series, "P": {}}})
+    assert got == {"push": {"D": {"start_load_kv": 50.0}}}  # 99.5 of 100 calls took <= 50 us; an unused hook: left out
+
+
 def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
     """A device call runs at most 10 minutes: the sweep runs as one call per mode group, then --merge joins
     them (the single instance, measured by every run, counted once; a point measured twice is refused)."""

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import statistics
@@ -133,7 +134,29 @@ def summarize(result: dict) -> dict:
         # layer streaming (issue 15): a variant named push-stream against plain push, points of this run
         "ttft_stream_over_whole_p50": r3(ratios("push-stream", "push", "ttft_p50_ms"), max),
         "exposed_after_prefill_ms_p50_max": exposed_after_prefill(result.get("stages", {})),
+        "engine_hook_p99_us_at_most": engine_hook_p99(result.get("metrics", {})),
     }
+
+
+def engine_hook_p99(metrics: dict) -> dict:
+    """Per mode, instance (P, D) and hook: the histogram bucket bound holding the 99th percentile of the engine
+    thread's time in a kvpush hook (issue 15's goal: <= 50 us per step on a decode instance), in us."""
+    out: dict = {}
+    for mode, per_instance in metrics.items():
+        for inst, series in per_instance.items():
+            buckets: dict[str, list[tuple[float, float]]] = {}
+            for name, count in (series.items() if isinstance(series, dict) else ()):
+                hook, le = re.search(r'hook="([^"]+)"', name), re.search(r'le="([^"]+)"', name)
+                if name.startswith("kvpush_engine_hook_seconds_bucket") and hook and le:
+                    buckets.setdefault(hook.group(1), []).append((float(le.group(1)), count))
+            for hook, bs in buckets.items():
+                bs.sort()
+                total = bs[-1][1]
+                if total:
+                    bound = next(b for b, c in bs if c >= 0.99 * total)
+                    out.setdefault(mode, {}).setdefault(inst, {})[hook] = (round(bound * 1e6, 1)
+                                                                           if bound != float("inf") else None)
+    return out
 
 
 def exposed_after_prefill(stages: dict) -> dict:
@@ -420,8 +443,8 @@ def scrape(url: str | None) -> dict[str, float]:
                                         or line.startswith("vllm:kv_")):
             continue
         name, _, value = line.rpartition(" ")
-        if "_bucket{" in name:
-            continue
+        if "_bucket{" in name and not name.startswith("kvpush_engine_hook_seconds"):
+            continue  # histogram buckets: only the engine hooks' (their p99 is a goal)
         try:
             out[name] = float(value)
         except ValueError:
