@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -185,13 +186,13 @@ class SchedulerSide:
                     or self._meta.declines)
 
 
+@dataclass
 class Prefill:
     """A producer request being prefilled: its transfer key, prompt length and blocks so far."""
 
-    def __init__(self, key: TransferKey, num_prompt_tokens: int):
-        self.key = key
-        self.num_prompt_tokens = num_prompt_tokens
-        self.block_ids: list[int] = []
+    key: TransferKey
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
 
 
 def _identity_dict(settings: ConnectorSettings) -> dict:
