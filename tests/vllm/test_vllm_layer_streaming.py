@@ -10,12 +10,13 @@ recomputes the prompt exactly."""
 from __future__ import annotations
 
 import json
-
 import threading
 import time
+import urllib.request
 import uuid
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, direct_legs,
@@ -97,13 +98,30 @@ def test_registration_first_streams_every_layer_before_the_kv_is_ready(cluster):
     ready = next(e for e in ev if e["ev"] == "kv_ready")
     assert sent and sent[0]["t"] < ready["t"], ev  # layers went while the prefill ran
     assert [e["error"] for e in ev if e["ev"] == "layers_done"] == [""] * len(sent), ev
-    # the whole push sent only the rest: less than the prompt's KV (all layers, every token)
-    one = sent[0]
-    per_token_layer = one["nbytes"] / ((one["layers"][1] - one["layers"][0]) * (one["tokens"][1] - one["tokens"][0]))
-    layers = json.loads((cluster["model"] / "config.json").read_text())["num_hidden_layers"]
-    whole = per_token_layer * layers * body["usage"]["prompt_tokens"]
+    # the whole push sent only the rest: less than the prompt's KV (all layers, every block), and what the
+    # batches landed covers the remainder.  Block-granular WRITEs copy whole blocks (a batch of tokens
+    # [0, 64) sends its 128-token block whole), so the KV is counted in whole blocks of vLLM's block size.
+    cfg = json.loads((cluster["model"] / "config.json").read_text())
+    per_token_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2  # K and V, bfloat16
+    block = block_size(cluster["P"].url)
+    tokens = -(-body["usage"]["prompt_tokens"] // block) * block
+    whole = per_token_layer * cfg["num_hidden_layers"] * tokens
     (posted,) = [e for e in ev if e["ev"] == "posted"]
-    assert posted["nbytes"] + sum(e["nbytes"] for e in sent) >= whole > posted["nbytes"], (posted, sent, whole)
+    assert posted["nbytes"] + sum(e["nbytes"] for e in sent) >= whole >= posted["nbytes"], (posted, sent, whole)
+    if any(e["tokens"][1] >= block for e in sent):  # a whole block of some layer landed: the push left it out
+        assert whole > posted["nbytes"], (posted, sent, whole)
+    assert all(e["nbytes"] % (per_token_layer * block) == 0 for e in sent + [posted]), (posted, sent)
+
+
+def block_size(url: str) -> int:
+    """vLLM's KV block size, from its own `vllm:cache_config_info` metric."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:cache_config_info"):
+                return int(sample.labels["block_size"])
+    raise AssertionError("vllm:cache_config_info not on /metrics")
 
 
 def test_ready_first_has_no_registration_to_stream_into_and_still_matches(cluster):
