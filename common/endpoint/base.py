@@ -128,6 +128,7 @@ class Endpoint:
     def _main(self) -> None:
         try:
             self.backend.bind_thread()
+            self.event.bind_writer()
             progress = self.cfg.transport.progress_thread_for(self.role, self.cfg.mode)
             self.transport = self._transport_factory(self.cfg, progress)
             self.transport.register(self.backend.registration_regions(), self.layout.mem_type)
@@ -145,8 +146,10 @@ class Endpoint:
                 log.exception("kvpush %s worker step failed", self.role)
                 self.stats.worker_errors.inc()
                 busy = False
+            self.event.flush()  # what the engine thread logged since the last step
             self._wake.wait(self._poll_period(busy))
             self._wake.clear()
+        self.event.flush()
         try:
             self.transport.close()
         except Exception:
