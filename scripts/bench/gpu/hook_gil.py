@@ -27,6 +27,7 @@ import argparse
 import json
 import queue
 import statistics
+import sys
 import threading
 import time
 
@@ -162,7 +163,7 @@ def main() -> None:
         args.fence = "cuda" if torch.cuda.is_available() else "sleep0"
     result = {"command": "python3 scripts/bench/gpu/hook_gil.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "switch_interval_s": __import__("sys").getswitchinterval(), "variants": run(args)}
+        "switch_interval_s": sys.getswitchinterval(), "variants": run(args)}
     if args.fence == "cuda":
         import torch
 
