@@ -163,9 +163,10 @@ class Endpoint:
         return self.cfg.poll_s if busy else self.cfg.idle_poll_s
 
     # ---- engine-facing ---------------------------------------------------------------------------
-    def _enqueue(self, item) -> None:
+    def _enqueue(self, item, wake: bool = True) -> None:
         self._inbox.put(item)
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def take_finished(self) -> list:
         """Drain results (non-blocking; safe from the engine thread)."""

@@ -46,6 +46,10 @@ class EndpointConfig:
     # push: WRITE each layer's KV into registered consumer ranks while the prefill still runs (the engine
     # calls `layers_ready`); the whole-request push then sends only what is left, with WriteDone
     stream_layers: bool = False
+    # ... and wake the worker for every k-th layer and the last one only: each wake lets the worker take the
+    # GIL from a launch-bound engine thread (h200-hook-gil.md); the layers between wait for the next wake or
+    # poll_s.  1: every layer.
+    stream_wake_every: int = 1
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
 
     @property
@@ -70,6 +74,8 @@ class EndpointConfig:
                      "poll_s", "idle_poll_s", "wire_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.stream_wake_every < 1:
+            raise ValueError("stream_wake_every must be at least 1")
         if self.peer_idle_s <= max(self.lease_s, self.reg_ttl_s) + self.write_timeout_s:
             raise ValueError("peer_idle_s must exceed max(lease_s, reg_ttl_s) + write_timeout_s: a silent peer's "
                              "registrations and leases must have ended before it is forgotten")

@@ -85,7 +85,9 @@ class ProducerEndpoint(Endpoint):
         of each request in `chunks` (from `layer_chunks`) now hold tokens [0, num_tokens): one device fence
         and one queue put, nothing else."""
         if self.cfg.stream_layers and chunks:
-            self._enqueue(LayersReady(chunks, first_layer, end_layer, self.backend.mark_kv_written()))
+            every = self.cfg.stream_wake_every
+            wake = every == 1 or end_layer % every == 0 or end_layer >= self.layout.num_layers
+            self._enqueue(LayersReady(chunks, first_layer, end_layer, self.backend.mark_kv_written()), wake)
 
     @property
     def address(self) -> tuple[str, int]:

@@ -42,6 +42,7 @@ class ConnectorSettings:
     local_prefill_max_tokens: int = 256
     # Producer, push: WRITE each layer's KV while the prefill runs (EndpointConfig.stream_layers)
     stream_layers: bool = False
+    stream_wake_every: int = 1  # EndpointConfig.stream_wake_every
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -83,6 +84,7 @@ class ConnectorSettings:
             progress_thread=_flag(extra, "progress_thread"),
             local_prefill_max_tokens=_non_negative(extra, "local_prefill_max_tokens", 256),
             stream_layers=bool(_flag(extra, "stream_layers")),
+            stream_wake_every=_non_negative(extra, "stream_wake_every", 1),
             staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
                                                 "staging_partitions") if k in extra},
         )
@@ -95,7 +97,8 @@ class ConnectorSettings:
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
                               base_port=self.port, transport=TransportConfig(backend=self.backend, backend_params=dict(self.backend_params),
                                                         progress_thread=self.progress_thread),
-                              secret=self.secret, stream_layers=self.stream_layers, **self.periods, **self.staging)
+                              secret=self.secret, stream_layers=self.stream_layers,
+                              stream_wake_every=self.stream_wake_every, **self.periods, **self.staging)
 
 
 def _choice(extra: dict, key: str, allowed: tuple[str, ...]) -> str:

@@ -100,6 +100,15 @@ def test_the_engine_hooks_p99_comes_from_their_histogram_buckets():
     assert got == {"push": {"D": {"start_load_kv": 50.0}}}  # 99.5 of 100 calls took <= 50 us; an unused hook: left out
 
 
+def test_vllms_own_request_timings_are_averaged_per_instance():
+    lab = '{engine="0",model_name="m"}'
+    series = {f"vllm:request_prefill_time_seconds_sum{lab}": 1.5, f"vllm:request_prefill_time_seconds_count{lab}": 10.0,
+              f"vllm:inter_token_latency_seconds_sum{lab}": 0.0, f"vllm:inter_token_latency_seconds_count{lab}": 0.0,
+              "kvpush_writes_total": 4.0}
+    got = bench.engine_means({"push": {"P": series, "timelines": []}})
+    assert got == {"push": {"P": {"request_prefill_time": 150.0}}}  # nothing counted: left out
+
+
 def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
     """A device call runs at most 10 minutes: the sweep runs as one call per mode group, then --merge joins
     them (the single instance, measured by every run, counted once; a point measured twice is refused)."""

@@ -24,6 +24,8 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     push = next(p for p in doc["points"] if p["mode"] == "push")
     assert push["ok"] == 3 and push["ttft_p50_ms"] > 0 and doc["metrics"]["push"]["P"]
     assert (out / "h200-vllm.md").read_text().count("| push |") == 1
+    means = doc["summary"]["vllm_engine_means_ms"]["push"]  # vLLM's own timings, beside kvpush's metrics
+    assert means["P"]["request_prefill_time"] > 0 and means["D"]["inter_token_latency"] > 0, means
     stages = doc["stages"]["push"]["96x4"]  # every stage of every request was seen, in protocol order
     assert stages["requests"] == 3
     assert all(v is not None for v in stages.values()), stages

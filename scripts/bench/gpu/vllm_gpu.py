@@ -135,7 +135,30 @@ def summarize(result: dict) -> dict:
         "ttft_stream_over_whole_p50": r3(ratios("push-stream", "push", "ttft_p50_ms"), max),
         "exposed_after_prefill_ms_p50_max": exposed_after_prefill(result.get("stages", {})),
         "engine_hook_p99_us_at_most": engine_hook_p99(result.get("metrics", {})),
+        "vllm_engine_means_ms": engine_means(result.get("metrics", {})),
     }
+
+
+def engine_means(metrics: dict) -> dict:
+    """Per mode and instance, the mean in ms of vLLM's own per-request timings (ENGINE_SERIES) over the mode's
+    run, warm-ups included: P's prefill time says whether a connector slows the prefill; D's inter-token
+    latency is its decode step as the engine saw it."""
+    out: dict = {}
+    for mode, per_instance in metrics.items():
+        for inst, series in (per_instance.items() if isinstance(per_instance, dict) else ()):
+            if not isinstance(series, dict):
+                continue
+            sums: dict[str, list[float]] = {}
+            for name, value in series.items():
+                base = name.split("{", 1)[0]
+                for suffix, i in (("_sum", 0), ("_count", 1)):
+                    if base.endswith(suffix) and base[: -len(suffix)] in ENGINE_SERIES:
+                        sums.setdefault(base[: -len(suffix)], [0.0, 0.0])[i] += value
+            for base, (total, count) in sums.items():
+                if count:
+                    key = base.removeprefix("vllm:").removesuffix("_seconds")
+                    out.setdefault(mode, {}).setdefault(inst, {})[key] = round(total / count * 1e3, 2)
+    return out
 
 
 def engine_hook_p99(metrics: dict) -> dict:
@@ -432,15 +455,22 @@ def stage_medians(timelines: list[dict], events: list[dict], windows: dict) -> d
     return out
 
 
+ENGINE_SERIES = ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds")
+
+
 def scrape(url: str | None) -> dict[str, float]:
-    """kvpush_* and vLLM NIXL/KV-connector samples of a Prometheus endpoint, as {series: value}."""
+    """kvpush_* and vLLM NIXL/KV-connector samples of a Prometheus endpoint, and the sums and counts of vLLM's
+    ENGINE_SERIES, as {series: value}."""
     if not url:
         return {}
     code, text = get(url, timeout=10)
     out = {}
     for line in text.splitlines():
-        if line.startswith("#") or not (line.startswith("kvpush_") or "nixl" in line or "kv_connector" in line
-                                        or line.startswith("vllm:kv_")):
+        series = line.split("{", 1)[0].split(" ", 1)[0]
+        engine = series.endswith(("_sum", "_count")) and series.rsplit("_", 1)[0] in ENGINE_SERIES
+        if line.startswith("#") or not (engine or line.startswith("kvpush_") or "nixl" in line
+                                        or "kv_connector" in line or line.startswith("vllm:kv_")):
             continue
         name, _, value = line.rpartition(" ")
         if "_bucket{" in name and not name.startswith("kvpush_engine_hook_seconds"):
@@ -701,8 +731,8 @@ def main() -> int:
                     print(f"[bench] {mode} {pt[0]}x{pt[1]:g}: {json.dumps(stats)}", flush=True)
                     write(result, out, args.name)
                 if pair:
-                    result["metrics"][mode] = {"P": scrape(getattr(pair[0], "metrics_url", None) or pair[0].url + "/metrics"),
-                                               "D": scrape(getattr(pair[1], "metrics_url", None) or pair[1].url + "/metrics")}
+                    result["metrics"][mode] = {role: scrape(getattr(proc, "metrics_url", None)) | scrape(proc.url + "/metrics")
+                                               for role, proc in (("P", pair[0]), ("D", pair[1]))}
                     if variants.get(mode, (mode,))[0] in ("push", "pull"):
                         code, tl = get(pair[2].url + "/timelines", timeout=10)
                         result["metrics"][mode]["timelines"] = json.loads(tl)[-len(points) * args.requests:] if code == 200 else []
