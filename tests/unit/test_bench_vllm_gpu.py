@@ -100,6 +100,20 @@ def test_the_engine_hooks_p99_comes_from_their_histogram_buckets():
     assert got == {"push": {"D": {"start_load_kv": 50.0}}}  # 99.5 of 100 calls took <= 50 us; an unused hook: left out
 
 
+def test_the_mean_ttft_ratio_is_taken_from_each_points_answers():
+    """With about half the requests queued behind another prefill, the p50 flips between the two groups; the
+    summary also compares means (recomputed from per-request rows where an older result lacks them)."""
+    def pt(mode, ttfts):
+        rows = [{"outcome": "ok", "ttft_s": t / 1e3} for t in ttfts] + [{"outcome": "failed", "ttft_s": None}]
+        return {"mode": mode, "input_len": 4096, "rate": 2.0, "requests": 5, "ok": 4, "exact": 4, "failed": 1,
+                "hung": 0, "ttft_p50_ms": sorted(ttfts)[2], "ttft_p99_ms": max(ttfts), "tpot_p50_ms": 5,
+                "tpot_p99_ms": 5, "per_request": rows}
+    result = {"meta": {}, "points": [pt("push", [120, 130, 130, 220]), pt("push-stream-k6", [120, 125, 220, 225])]}
+    s = bench.summarize(result)
+    assert s["ttft_mean_over_push_max"] == {"push-stream-k6": round(172.5 / 150.0, 3)}
+    assert bench.point_stats([row(ttft=0.1), row(ttft=0.3)], ["a", "a"])["ttft_mean_ms"] == 200.0
+
+
 def test_vllms_own_request_timings_are_averaged_per_instance():
     lab = '{engine="0",model_name="m"}'
     series = {f"vllm:request_prefill_time_seconds_sum{lab}": 1.5, f"vllm:request_prefill_time_seconds_count{lab}": 10.0,
