@@ -22,10 +22,9 @@ MAX_PENDING = 1 << 16  # records queued for the writer; a writer that stopped lo
 class EventLog:
     """One endpoint's event file.  Only the endpoint's worker thread writes to it: a record made on another
     thread (the engine thread's hooks) is queued and written at the worker's next step, because a file write
-    releases the GIL inside the engine's step and lets the worker run its whole step there (on the H200 the
-    decode's `start_load_kv` passed 50 us on 12 of 592 and 14 of 420 steps: about one per receive it staged,
-    12 requests plus warm-ups, each with a file write; a match, not a proof).
-    Records carry their own time, and `read_events` sorts by it."""
+    releases the GIL inside the engine's step and lets the worker run its whole step there (the decode's
+    once-per-receive hook tail on the H200 stayed after this change, so it has another cause:
+    docs/benchmarks/h200-stream-wake.md).  Records carry their own time, and `read_events` sorts by it."""
 
     def __init__(self, path: Path | None):
         self._file = open(path, "ab", buffering=0) if path else None
