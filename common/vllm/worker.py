@@ -26,6 +26,7 @@ from kvpush_common.vllm.settings import ConnectorSettings
 log = logging.getLogger(__name__)
 
 BackendFactory = Callable[[dict, int], DeviceBackend]
+SLOW_HOOK_S = 50e-6  # issue 15's goal for a decode step's hook time (p99)
 
 
 class WorkerSide:
@@ -63,17 +64,25 @@ class WorkerSide:
         self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results",
                                                                              "save_kv_layer")}
 
-    def _timed(self, hook: str, started: float) -> None:
+    def _timed(self, hook: str, started: float, meta: KVPushMetadata | None = None) -> None:
+        elapsed = time.perf_counter() - started
         histogram = self._hooks.get(hook)
         if histogram is not None:
-            histogram.observe(time.perf_counter() - started)
+            histogram.observe(elapsed)
+        if elapsed > SLOW_HOOK_S and meta is not None and self.endpoint is not None:
+            # which steps pass the goal (event log only): those handing a receive or send over, or others
+            ops = (*meta.recvs, *meta.sends, *meta.streams, *meta.aborts, *meta.declines)
+            key = TransferKey(ops[0].transfer_id, ops[0].attempt) if ops else TransferKey("-", 0)
+            self.endpoint.event("slow_hook", key, hook=hook, us=round(elapsed * 1e6, 1), recvs=len(meta.recvs),
+                                sends=len(meta.sends), streams=len(meta.streams),
+                                other=len(meta.aborts) + len(meta.declines))
 
     def start_load_kv(self, meta: KVPushMetadata) -> None:
         started = time.perf_counter()
         try:
             self._hand_over(meta)
         finally:
-            self._timed("start_load_kv", started)
+            self._timed("start_load_kv", started, meta)
 
     def _hand_over(self, meta: KVPushMetadata) -> None:
         ep = self.endpoint

