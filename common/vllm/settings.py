@@ -84,7 +84,7 @@ class ConnectorSettings:
             progress_thread=_flag(extra, "progress_thread"),
             local_prefill_max_tokens=_non_negative(extra, "local_prefill_max_tokens", 256),
             stream_layers=bool(_flag(extra, "stream_layers")),
-            stream_wake_every=_non_negative(extra, "stream_wake_every", 1),
+            stream_wake_every=_at_least_one(extra, "stream_wake_every"),
             staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
                                                 "staging_partitions") if k in extra},
         )
@@ -115,6 +115,13 @@ def _non_negative(extra: dict, key: str, default: int) -> int:
         value = -1
     if value < 0:
         raise ValueError(f"kv_connector_extra_config.{key} must be a whole number >= 0, got {extra.get(key)!r}")
+    return value
+
+
+def _at_least_one(extra: dict, key: str) -> int:
+    value = _non_negative(extra, key, 1)
+    if value < 1:
+        raise ValueError(f"kv_connector_extra_config.{key} must be at least 1, got {value}")
     return value
 
 

@@ -46,5 +46,8 @@ def test_every_kth_layer_and_the_last_wake_it_and_every_layer_is_still_queued():
 def test_the_setting_comes_from_the_connector_config_and_zero_is_refused():
     settings = ConnectorSettings.from_vllm(vllm_config(stream_layers=True, stream_wake_every=6))
     assert settings.endpoint_config(0).stream_wake_every == 6
+    for bad, why in ((0, "must be at least 1"), (-2, "must be a whole number >= 0"), ("six", "must be a whole number >= 0")):
+        with pytest.raises(ValueError, match=f"kv_connector_extra_config.stream_wake_every {why}"):
+            ConnectorSettings.from_vllm(vllm_config(stream_wake_every=bad))
     with pytest.raises(ValueError, match="stream_wake_every must be at least 1"):
-        ConnectorSettings.from_vllm(vllm_config(stream_wake_every=0)).endpoint_config(0).validate()
+        EndpointConfig("p", stream_wake_every=0).validate()
