@@ -39,6 +39,10 @@ class EventLog:
         Path(d).mkdir(parents=True, exist_ok=True)
         return cls(Path(d) / f"{engine_id.replace('/', '_')}-{role}-r{rank}.jsonl")
 
+    @property
+    def on(self) -> bool:
+        return self._file is not None
+
     def bind_writer(self) -> None:
         """The calling thread writes the file from now on (the endpoint's worker, at start)."""
         self._writer = threading.get_ident()

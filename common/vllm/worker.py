@@ -20,6 +20,7 @@ from kvpush_common.state.rendezvous import Outcome, Release
 from kvpush_common.protocol.layout import layer_order
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.vllm.compat import TransferResults
+from kvpush_common.vllm.hook_probe import GcClock, HookProbe
 from kvpush_common.vllm.metadata import KVPushMetadata
 from kvpush_common.vllm.settings import ConnectorSettings
 
@@ -43,6 +44,7 @@ class WorkerSide:
         self._hooks: dict = {}  # hook name -> its kvpush_engine_hook_seconds child, once an endpoint is bound
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the KV layout
         self._streaming: tuple = ()  # producer, layer streaming: this step's (transfer_id, attempt, blocks, tokens)
+        self._probe: HookProbe | None = None  # event log on: say where a slow start_load_kv's time went
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
@@ -63,9 +65,12 @@ class WorkerSide:
         self.endpoint = endpoint
         self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results",
                                                                              "save_kv_layer")}
+        if getattr(endpoint.event, "on", False):
+            self._probe = HookProbe(GcClock().install())
 
     def _timed(self, hook: str, started: float, meta: KVPushMetadata | None = None) -> None:
-        elapsed = time.perf_counter() - started
+        ended = time.perf_counter()
+        elapsed = ended - started
         histogram = self._hooks.get(hook)
         if histogram is not None:
             histogram.observe(elapsed)
@@ -75,26 +80,34 @@ class WorkerSide:
             key = TransferKey(ops[0].transfer_id, ops[0].attempt) if ops else TransferKey("-", 0)
             self.endpoint.event("slow_hook", key, hook=hook, us=round(elapsed * 1e6, 1), recvs=len(meta.recvs),
                                 sends=len(meta.sends), streams=len(meta.streams),
-                                other=len(meta.aborts) + len(meta.declines))
+                                other=len(meta.aborts) + len(meta.declines),
+                                **(self._probe.detail(started, ended) if self._probe is not None else {}))
 
     def start_load_kv(self, meta: KVPushMetadata) -> None:
         started = time.perf_counter()
+        probe = self._probe
+        if probe is not None:
+            probe.begin()
         try:
-            self._hand_over(meta)
+            self._hand_over(meta, probe)
         finally:
             self._timed("start_load_kv", started, meta)
 
-    def _hand_over(self, meta: KVPushMetadata) -> None:
+    def _hand_over(self, meta: KVPushMetadata, probe: HookProbe | None) -> None:
         ep = self.endpoint
         # built once per step (not per layer): save_kv_layer hands this tuple over as it is
         self._streaming = ep.layer_chunks((op.transfer_id, op.attempt, op.block_ids, op.num_tokens)
                                           for op in meta.streams) if meta.streams else ()
+        if probe is not None:
+            probe.mark("streams")
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
             ep.event("recv_staged", key)
             args = (op.transfer_id, op.attempt, op.producer, op.block_ids, op.num_tokens, op.first_token)
             self._later(self.settings.register_delay_s, ep.expect, args)
+        if probe is not None:
+            probe.mark("recvs")
         for op in meta.sends:
             self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
             self._sending[op.req_id] += 1
@@ -102,6 +115,8 @@ class WorkerSide:
             args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens, self.settings.kv_fence == "output",
                     op.consumer_tp)
             self._later(self.settings.ready_delay_s, ep.kv_ready, args)
+        if probe is not None:
+            probe.mark("sends")
         for op in meta.aborts:
             ep.abort(op.transfer_id, op.attempt, op.reason)
         for op in meta.declines:
@@ -168,6 +183,9 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._probe is not None:
+            self._probe.gc.remove()
+            self._probe = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

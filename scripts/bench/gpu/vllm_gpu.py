@@ -150,6 +150,7 @@ def summarize(result: dict) -> dict:
         "engine_hook_p99_us_at_most": engine_hook_p99(result.get("metrics", {})),
         "vllm_engine_means_ms": engine_means(result.get("metrics", {})),
         "slow_engine_hooks": result.get("slow_hooks", {}),
+        "slow_engine_hook_detail": result.get("slow_hook_detail", {}),
     }
 
 
@@ -164,6 +165,26 @@ def slow_hooks(events: list[dict]) -> dict[str, int]:
         key = f"{e['role']} {e.get('hook')}: {what}"
         out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
+
+
+def slow_hook_detail(events: list[dict]) -> dict[str, dict]:
+    """Where the slow hook calls' time went (the probe's fields, present when the event log was on), per
+    `slow_hooks` key: medians in us of the wall time, the engine thread's CPU time, the wait (wall - CPU:
+    GIL or core), the garbage collector, each phase, and how many calls had a collection inside."""
+    groups: dict[str, list[dict]] = {}
+    for e in events:
+        if e.get("ev") == "slow_hook" and "cpu_us" in e:
+            what = next((name for name in ("recvs", "sends", "streams", "other") if e.get(name)), "nothing")
+            groups.setdefault(f"{e['role']} {e.get('hook')}: {what}", []).append(e)
+    out: dict[str, dict] = {}
+    for key, calls in sorted(groups.items()):
+        med = {"us": [c["us"] for c in calls], "cpu_us": [c["cpu_us"] for c in calls],
+               "wait_us": [c["us"] - c["cpu_us"] for c in calls], "gc_us": [c.get("gc_us", 0.0) for c in calls]}
+        for phase in sorted({k for c in calls for k in c if k.endswith("_us") and k not in med and k != "us"}):
+            med[phase] = [c.get(phase, 0.0) for c in calls]
+        out[key] = {"calls": len(calls), "with_gc": sum(1 for c in calls if c.get("gcs")),
+                    **{f"{name}_p50": round(statistics.median(v), 1) for name, v in med.items()}}
+    return out
 
 
 def engine_means(metrics: dict) -> dict:
@@ -769,6 +790,7 @@ def main() -> int:
                         result.setdefault("stages", {})[mode] = stage_medians(
                             result["metrics"][mode]["timelines"], events, windows)
                         result.setdefault("slow_hooks", {})[mode] = slow_hooks(events)
+                        result.setdefault("slow_hook_detail", {})[mode] = slow_hook_detail(events)
             except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' results
                 msg = f"{mode}: {e}"
                 print(f"[bench] FAILED {msg[:4000]}", flush=True)
