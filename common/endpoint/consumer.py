@@ -14,14 +14,14 @@ import collections
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, handshake_codec, request_hello
-from kvpush_common.endpoint.inbox import Decline, Expect, HandshakeDone, HandshakeFailed, LocalAbort
+from kvpush_common.endpoint.inbox import Decline, Expect, HandshakeDone, HandshakeFailed, LocalAbort, block_ids_as_ints
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.plan.write import plan_write
@@ -74,8 +74,9 @@ class ConsumerEndpoint(Endpoint):
     def expect(self, transfer_id: str, attempt: int, producer: ProducerIdentity, block_ids, num_tokens: int,
                first_token: int = 0) -> None:
         """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
-        self._enqueue(Expect(TransferKey(transfer_id, attempt), producer, tuple(map(int, block_ids)),
-                             int(num_tokens), int(first_token)))
+        # tuple() only (no copy of a tuple): the worker converts the ids (`block_ids_as_ints`), off the step
+        self._enqueue(Expect(TransferKey(transfer_id, attempt), producer, tuple(block_ids), int(num_tokens),
+                             int(first_token)))
 
     def decline(self, transfer_id: str, attempt: int, producer: ProducerIdentity, reason: str = "") -> None:
         """This attempt needs no bytes (nothing was registered for it): its producer ranks release the KV once
@@ -232,6 +233,10 @@ class ConsumerEndpoint(Endpoint):
         if e.key in self.completion:
             log.warning("ignoring a second expect() for live key %s", e.key)
             return []
+        try:
+            e = replace(e, block_ids=block_ids_as_ints(e.block_ids))
+        except (TypeError, ValueError) as err:
+            return [Received(e.key, False, f"bad block ids: {err}")]
         if len(e.block_ids) > MAX_BLOCK_IDS or not 0 <= e.first_token <= e.num_tokens < 2**31:
             return [Received(e.key, False, f"registration out of bounds: {len(e.block_ids)} blocks, tokens "
                                            f"[{e.first_token}, {e.num_tokens})")]

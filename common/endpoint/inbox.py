@@ -13,6 +13,16 @@ from kvpush_common.state.rendezvous import ReadyKV
 ProducerRank = tuple[str, int]  # (producer engine id, rank)
 
 
+def block_ids_as_ints(block_ids) -> tuple[int, ...]:
+    """The worker thread's copy of block ids the engine thread handed over as they were (`tuple()` only):
+    converting 256 ids there cost ~50 us of a decode step on the H200 host (docs/benchmarks/h200-hook-probe.md).
+    Raises TypeError / ValueError for ids that are not integers."""
+    out = tuple(map(int, block_ids))
+    if any(i != j for i, j in zip(out, block_ids)):  # 1.5 -> 1 would address another block
+        raise ValueError("block ids must be integers")
+    return out
+
+
 @dataclass(frozen=True)
 class KVReady:
     """Producer, engine thread: the step that computed this request's KV was issued."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from kvpush_common.plan.layers import layer_slice
 from kvpush_common.plan.write import plan_write
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
-from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LayersReady, LocalAbort
+from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LayersReady, LocalAbort, block_ids_as_ints
 from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, LayerBatch, ReadPin, StagedPush, Transfer
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.plan.planner import PlanError, TransferPlan, plan_transfer
@@ -55,6 +56,7 @@ class ProducerEndpoint(Endpoint):
         self._last_fetch: float | None = None
         self._next_prune = 0.0
         self._streams: dict[TransferKey, LayerStream] = {}  # layer streaming: requests still being prefilled
+        self._layer_chunks: tuple = (None, ())  # the last LayersReady chunks as handed over, and with int ids
         self._batches: list[LayerBatch] = []  # layer-streamed WRITE batches in flight
         self._deferred: list = []  # results for a destination held until its layer batch in flight ends
 
@@ -68,7 +70,7 @@ class ProducerEndpoint(Endpoint):
         `consumer_tp`: the decode instance's TP size, when known; if no rank of it reads from this rank
         (head replication), the KV is released at once."""
         fence = None if written else self.backend.mark_kv_written()
-        ready = ReadyKV(tuple(map(int, block_ids)), int(num_tokens), fence)
+        ready = ReadyKV(tuple(block_ids), int(num_tokens), fence)  # the worker converts the ids, off the step
         self._enqueue(KVReady(TransferKey(transfer_id, attempt), ready, consumer_tp, self.clock()))
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
@@ -78,7 +80,7 @@ class ProducerEndpoint(Endpoint):
     def layer_chunks(requests) -> tuple:
         """Once per step: (transfer_id, attempt, block_ids, num_tokens) of each request being prefilled, in the
         form `layers_ready` hands over as it is, layer after layer."""
-        return tuple((TransferKey(t, a), tuple(map(int, b)), int(n)) for t, a, b, n in requests)
+        return tuple((TransferKey(t, a), tuple(b), int(n)) for t, a, b, n in requests)  # ids: see _on_layers
 
     def layers_ready(self, chunks: tuple, first_layer: int, end_layer: int) -> None:
         """Layer streaming, engine thread, once per layer range of a step: layers [first_layer, end_layer)
@@ -194,8 +196,13 @@ class ProducerEndpoint(Endpoint):
                                                  f"producer rank {self.cfg.rank}")
             if wake_s is not None:
                 self.stats.stage_seconds.labels(stage="wake").observe(wake_s)
+            try:
+                ready = replace(item.ready, block_ids=block_ids_as_ints(item.ready.block_ids))
+            except (TypeError, ValueError) as e:
+                log.warning("kv_ready of %s: bad block ids: %s", item.key, e)
+                return self.rendezvous.on_unusable_ready(item.key, f"bad block ids: {e}", now)
             self._ready_at[item.key] = item.enqueued_at if item.enqueued_at is not None else now  # handoff from here
-            return self.rendezvous.on_ready(item.key, item.ready, now)
+            return self.rendezvous.on_ready(item.key, ready, now)
         elif isinstance(item, LayersReady):
             self._on_layers(item, now)
         elif isinstance(item, LocalAbort):
@@ -372,7 +379,14 @@ class ProducerEndpoint(Endpoint):
     def _on_layers(self, item: LayersReady, now: float) -> None:
         if self.cfg.mode != "push":
             return
-        for key, block_ids, num_tokens in item.chunks:
+        # every layer of a step shares one chunks tuple: convert its ids once per step, here, off the engine
+        if item.chunks is not self._layer_chunks[0]:
+            try:
+                self._layer_chunks = (item.chunks, tuple((k, block_ids_as_ints(b), n) for k, b, n in item.chunks))
+            except (TypeError, ValueError) as e:
+                log.warning("layer streaming: bad block ids: %s", e)
+                return
+        for key, block_ids, num_tokens in self._layer_chunks[1]:
             stream = self._streams.get(key)
             if stream is None:
                 if self.rendezvous.floor.refusal(key) or len(self._streams) >= self.rendezvous.max_entries:

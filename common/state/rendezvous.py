@@ -265,6 +265,16 @@ class Rendezvous:
         self.floor.end(key, now)  # a late registration for it is refused as stale
         return actions + [Release(key, Outcome.DONE, reason)]
 
+    def on_unusable_ready(self, key: TransferKey, reason: str, now: float) -> list[Action]:
+        """The engine's readiness could not be used (block ids that are not integers): fail the waiting
+        registrations and hand the blocks back.  A key already ready keeps its first readiness."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.ready is not None:
+            return []
+        actions = self._close(key, entry, Outcome.FAILED, reason, now) if entry is not None else []
+        self.floor.end(key, now)
+        return actions + [Release(key, Outcome.FAILED, reason)]
+
     def on_local_abort(self, key: TransferKey, reason: str, now: float) -> list[Action]:
         """The producer engine dropped the request (e.g. its prefill was aborted)."""
         entry = self._entries.get(key)

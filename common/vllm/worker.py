@@ -104,6 +104,8 @@ class WorkerSide:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
             ep.event("recv_staged", key)
+            if probe is not None:
+                probe.mark("recv_log")
             args = (op.transfer_id, op.attempt, op.producer, op.block_ids, op.num_tokens, op.first_token)
             self._later(self.settings.register_delay_s, ep.expect, args)
         if probe is not None:
