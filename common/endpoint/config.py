@@ -41,7 +41,8 @@ class EndpointConfig:
     poll_s: float = 0.001  # worker poll period while work is outstanding
     # ... while a WRITE of this producer is on the wire: NIXL completes it, and sends the consumer its
     # notification, only from our progress calls, so this bounds what completion waits for after the bytes
-    # landed (H200, 512 MiB over cuda_ipc: ~0.3 ms of copy seen 1.2 ms after the post at poll_s)
+    # landed (H200, 512 MiB over cuda_ipc: ~0.3 ms of copy seen 1.2 ms after the post at poll_s); and the
+    # consumer's period while any key waits for its bytes (wire_poll_s = poll_s restores 1 ms there)
     wire_poll_s: float = 0.0002
     # push: WRITE each layer's KV into registered consumer ranks while the prefill still runs (the engine
     # calls `layers_ready`); the whole-request push then sends only what is left, with WriteDone

@@ -98,3 +98,18 @@ def test_the_producer_polls_faster_only_while_its_write_is_on_the_wire():
     assert p._poll_period(True) == 0.0002
     with pytest.raises(ValueError, match="wire_poll_s"):
         EndpointConfig(engine_id="P", wire_poll_s=0).validate()
+
+
+def test_a_consumer_waiting_for_bytes_polls_at_the_wire_period():
+    """A WriteDone may come any moment while a key waits: the consumer polls at wire_poll_s then (poll_s
+    only if that is shorter), and at idle_poll_s with nothing open."""
+    ep = ConsumerEndpoint(EndpointConfig(engine_id="D", wire_poll_s=0.0003, poll_s=0.001, idle_poll_s=0.01), backend())
+    ep.transport = Flaky()
+    ep._peers[("P", 0)] = Peer("P", 0, 1, "P/r0", ep.layout)
+    assert ep._step() is False and ep._poll_period(False) == 0.01
+    ep.expect("a", 0, ProducerIdentity(engine_id="P", host="127.0.0.1", port=1, tp_size=1), [0], 4)
+    assert ep._step() is True and ep._poll_period(True) == 0.0003
+    slow = ConsumerEndpoint(EndpointConfig(engine_id="D", wire_poll_s=0.002, poll_s=0.001), backend())
+    assert slow._poll_period(True) == 0.001
+    ep.close()
+    slow.close()

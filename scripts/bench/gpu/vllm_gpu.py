@@ -370,7 +370,8 @@ class Cluster:
         base, variant_extra = self.variants.get(mode, (mode, {}))
         side, metrics = self.ports(4), self.ports(4)
         p_gpu, d_gpu = (0, 1) if self.gpus >= 2 or not self.gpus else (0, 0)  # no GPU: the CPU cores 0 and 1
-        events = {"KVPUSH_EVENT_DIR": str(self.event_dir(mode))} if base in ("push", "pull") else {}
+        events = ({"KVPUSH_EVENT_DIR": str(self.event_dir(mode))}
+                  if base in ("push", "pull") and not self.args.no_event_log else {})
         nixl = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
                              "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), **events}
         extra = {**json.loads(self.args.kvpush_extra), **variant_extra}
@@ -646,6 +647,9 @@ def main() -> int:
                          "'{\"staging_bytes\": 1073741824}')")
     ap.add_argument("--points-for", action="append", default=[], metavar="NAME=POINTS",
                     help="measure this mode only at these points (a subset of --points)")
+    ap.add_argument("--no-event-log", action="store_true",
+                    help="kvpush's event log off (as in production): hook times without the log's own cost, but no "
+                         "stage table, exposed time or slow_hook detail")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-port", type=int, default=21000, help="first of 64 ports used (0: any free range)")
     ap.add_argument("--workdir", default="/tmp/kvpush-vllm-bench")
