@@ -23,8 +23,8 @@ class EventLog:
     """One endpoint's event file.  Only the endpoint's worker thread writes to it: a record made on another
     thread (the engine thread's hooks) is queued and written at the worker's next step, because a file write
     releases the GIL inside the engine's step and lets the worker run its whole step there (the decode's
-    once-per-receive hook tail on the H200 stayed after this change, so it has another cause:
-    docs/benchmarks/h200-stream-wake.md).  Records carry their own time, and `read_events` sorts by it."""
+    once-per-receive hook tail on the H200 had another cause, the block-id conversion:
+    docs/benchmarks/h200-decode-hook.md).  Records carry their own time, and `read_events` sorts by it."""
 
     def __init__(self, path: Path | None):
         self._file = open(path, "ab", buffering=0) if path else None

@@ -15,7 +15,8 @@ ProducerRank = tuple[str, int]  # (producer engine id, rank)
 
 def block_ids_as_ints(block_ids) -> tuple[int, ...]:
     """The worker thread's copy of block ids the engine thread handed over as they were (`tuple()` only):
-    converting 256 ids there cost ~50 us of a decode step on the H200 host (docs/benchmarks/h200-hook-probe.md).
+    on the H200 host the decode's receive hand-over took 48-67 us with the conversion, 41-49 us without it
+    (an event record of 15-20 us included; docs/benchmarks/h200-decode-hook.md).
     Raises TypeError / ValueError for ids that are not integers."""
     out = tuple(map(int, block_ids))
     if any(i != j for i, j in zip(out, block_ids)):  # 1.5 -> 1 would address another block
