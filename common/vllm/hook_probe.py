@@ -2,9 +2,9 @@
 
 A decode instance's `start_load_kv` passed 50 us about once per received request on the H200; this probe
 found engine-thread work in the block-id hand-over (docs/benchmarks/h200-decode-hook.md).  It tells the
-candidates apart: the engine
-thread's own CPU time during the call (wall time far above it means the thread waited: for the GIL or
-for a core), the cyclic garbage collector running inside the call, and the hand-over's phases.
+candidates apart: the engine thread's own CPU time during the call (wall time far above it means the
+thread waited: for the GIL or for a core), the cyclic garbage collector running inside the call, and the
+hand-over's phases.
 """
 
 from __future__ import annotations
