@@ -159,12 +159,16 @@ def slow_hooks(events: list[dict]) -> dict[str, int]:
     the step handed over: a receive, a send, a layer stream, something else, or nothing."""
     out: dict[str, int] = {}
     for e in events:
-        if e.get("ev") != "slow_hook":
-            continue
-        what = next((name for name in ("recvs", "sends", "streams", "other") if e.get(name)), "nothing")
-        key = f"{e['role']} {e.get('hook')}: {what}"
-        out[key] = out.get(key, 0) + 1
+        if e.get("ev") == "slow_hook":
+            key = slow_hook_key(e)
+            out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
+
+
+def slow_hook_key(e: dict) -> str:
+    """`<role> <hook>: <what the step handed over>` of one `slow_hook` event (the first kind it had)."""
+    what = next((name for name in ("recvs", "sends", "streams", "other") if e.get(name)), "nothing")
+    return f"{e['role']} {e.get('hook')}: {what}"
 
 
 def slow_hook_detail(events: list[dict]) -> dict[str, dict]:
@@ -174,8 +178,7 @@ def slow_hook_detail(events: list[dict]) -> dict[str, dict]:
     groups: dict[str, list[dict]] = {}
     for e in events:
         if e.get("ev") == "slow_hook" and "cpu_us" in e:
-            what = next((name for name in ("recvs", "sends", "streams", "other") if e.get(name)), "nothing")
-            groups.setdefault(f"{e['role']} {e.get('hook')}: {what}", []).append(e)
+            groups.setdefault(slow_hook_key(e), []).append(e)
     out: dict[str, dict] = {}
     for key, calls in sorted(groups.items()):
         med = {"us": [c["us"] for c in calls], "cpu_us": [c["cpu_us"] for c in calls],
