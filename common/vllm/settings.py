@@ -43,6 +43,11 @@ class ConnectorSettings:
     # Producer, push: WRITE each layer's KV while the prefill runs (EndpointConfig.stream_layers)
     stream_layers: bool = False
     stream_wake_every: int = 1  # EndpointConfig.stream_wake_every
+    # The interpreter's GIL switch interval for this worker process (sys.setswitchinterval; None: leave
+    # Python's 5 ms).  kvpush's worker thread wakes on a hand-over but runs only once the engine thread lets
+    # go of the GIL, which a busy engine thread does only every switch interval: on the H200 that wait was
+    # the largest stage before a whole push's WRITE (mean 1.27 ms, h200-decode-hook.md).  Process-wide.
+    gil_switch_interval_s: float | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -85,6 +90,7 @@ class ConnectorSettings:
             local_prefill_max_tokens=_non_negative(extra, "local_prefill_max_tokens", 256),
             stream_layers=bool(_flag(extra, "stream_layers")),
             stream_wake_every=_at_least_one(extra, "stream_wake_every"),
+            gil_switch_interval_s=_switch_interval(extra, "gil_switch_interval_s"),
             staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
                                                 "staging_partitions") if k in extra},
         )
@@ -123,6 +129,21 @@ def _at_least_one(extra: dict, key: str) -> int:
     if value < 1:
         raise ValueError(f"kv_connector_extra_config.{key} must be at least 1, got {value}")
     return value
+
+
+def _switch_interval(extra: dict, key: str) -> float | None:
+    """None when unset; else seconds in [10 us, 100 ms] (below, the engine thread would mostly hand the GIL
+    around; above, longer than Python's own default by far)."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 1e-5 <= seconds <= 0.1:
+        raise ValueError(f"kv_connector_extra_config.{key} must be seconds between 1e-05 and 0.1, got {value!r}")
+    return seconds
 
 
 def _flag(extra: dict, key: str) -> bool | None:

@@ -7,6 +7,7 @@ call happens on the endpoint's own worker thread.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -45,6 +46,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the KV layout
         self._streaming: tuple = ()  # producer, layer streaming: this step's (transfer_id, attempt, blocks, tokens)
         self._probe: HookProbe | None = None  # event log on: say where a slow start_load_kv's time went
+        self._switch_interval_before: float | None = None  # gil_switch_interval_s set: Python's, restored at shutdown
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
@@ -53,6 +55,7 @@ class WorkerSide:
         cfg = self.settings.endpoint_config(self.rank)
         cls = ProducerEndpoint if self.settings.role == "producer" else ConsumerEndpoint
         self._bind(cls(cfg, backend).start())
+        self._set_switch_interval()
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
@@ -60,6 +63,16 @@ class WorkerSide:
                               registry=self.endpoint.stats.registry)
         where = f" on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if cls is ProducerEndpoint else ""
         log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
+
+    def _set_switch_interval(self) -> None:
+        """Apply gil_switch_interval_s (process-wide): a woken kvpush thread waits at most this long for the GIL
+        held by the engine thread."""
+        seconds = getattr(self.settings, "gil_switch_interval_s", None)
+        if seconds is None:
+            return
+        self._switch_interval_before = sys.getswitchinterval()
+        sys.setswitchinterval(seconds)
+        log.info("kvpush: GIL switch interval %.3g ms (was %.3g ms)", seconds * 1e3, self._switch_interval_before * 1e3)
 
     def _bind(self, endpoint: ProducerEndpoint | ConsumerEndpoint) -> None:
         self.endpoint = endpoint
@@ -185,6 +198,9 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._switch_interval_before is not None:
+            sys.setswitchinterval(self._switch_interval_before)
+            self._switch_interval_before = None
         if self._probe is not None:
             self._probe.gc.remove()
             self._probe = None

@@ -146,6 +146,18 @@ def test_vllms_own_request_timings_are_averaged_per_instance():
     assert got == {"push": {"P": {"request_prefill_time": 150.0}}}  # nothing counted: left out
 
 
+def test_producer_push_stages_are_averaged_from_its_histograms():
+    lab = 'engine="p",role="producer"'
+    series = {f'kvpush_write_stage_seconds_sum{{{lab},stage="wake"}}': 0.003,
+              f'kvpush_write_stage_seconds_count{{{lab},stage="wake"}}': 2.0,
+              f'kvpush_write_stage_seconds_created{{{lab},stage="wake"}}': 1.7e9,
+              f'kvpush_write_stage_seconds_sum{{{lab},stage="post"}}': 0.0,
+              f'kvpush_write_stage_seconds_count{{{lab},stage="post"}}': 0.0,
+              f"kvpush_xfer_seconds_sum{{{lab}}}": 0.01, f"kvpush_xfer_seconds_count{{{lab}}}": 4.0}
+    got = bench.write_stage_means({"push": {"P": series, "D": {}}, "single": {}})
+    assert got == {"push": {"wake": 1.5, "write": 2.5}}  # nothing counted (post): left out
+
+
 def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
     """A device call runs at most 10 minutes: the sweep runs as one call per mode group, then --merge joins
     them (the single instance, measured by every run, counted once; a point measured twice is refused)."""

