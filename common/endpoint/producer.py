@@ -189,7 +189,12 @@ class ProducerEndpoint(Endpoint):
         elif isinstance(item, KVReady):
             taken = self.clock()
             wake_s = max(0.0, taken - item.enqueued_at) if item.enqueued_at is not None else None
-            self.event("kv_ready", item.key, **({} if wake_s is None else {"wake_ms": round(wake_s * 1e3, 3)}))
+            # of the wake, the part inside the step that took it (NIXL's get_notifs, the items before it), the
+            # rest being the worker coming round (its previous step, its sleep, the GIL)
+            step_start = self._last_fetch if self._last_fetch is not None else taken
+            in_step_s = None if wake_s is None else min(wake_s, max(0.0, taken - step_start))
+            self.event("kv_ready", item.key, **({} if wake_s is None else
+                                                {"wake_ms": round(wake_s * 1e3, 3), "in_step_ms": round(in_step_s * 1e3, 3)}))
             if item.consumer_tp is not None and not self._routes(item.consumer_tp):
                 return self.rendezvous.on_unread(item.key, item.ready, now,
                                                  f"no rank of a TP-{item.consumer_tp} consumer reads from "

@@ -146,6 +146,14 @@ def test_vllms_own_request_timings_are_averaged_per_instance():
     assert got == {"push": {"P": {"request_prefill_time": 150.0}}}  # nothing counted: left out
 
 
+def test_the_producers_wake_is_split_into_the_step_that_took_it_and_the_rest():
+    events = [{"ev": "kv_ready", "wake_ms": 1.0, "in_step_ms": 0.2}, {"ev": "kv_ready", "wake_ms": 3.0, "in_step_ms": 0.4},
+              {"ev": "kv_ready", "wake_ms": 2.0, "in_step_ms": 0.3}, {"ev": "kv_ready"}, {"ev": "posted", "wake_ms": 9.0}]
+    assert bench.wake_split(events) == {"requests": 3, "wake_ms_p50": 2.0, "wake_ms_mean": 2.0,
+                                        "in_step_ms_p50": 0.3, "in_step_ms_mean": 0.3}
+    assert bench.wake_split([{"ev": "slow_hook"}]) == {}
+
+
 def test_producer_push_stages_are_averaged_from_its_histograms():
     lab = 'engine="p",role="producer"'
     series = {f'kvpush_write_stage_seconds_sum{{{lab},stage="wake"}}': 0.003,

@@ -30,6 +30,8 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     assert means["P"]["request_prefill_time"] > 0 and means["D"]["inter_token_latency"] > 0, means
     stage_means = doc["summary"]["producer_write_stage_means_ms"]["push"]  # P's push stages, from its histograms
     assert set(stage_means) == {"wake", "fence", "plan", "post", "write"} and stage_means["write"] > 0, stage_means
+    wake = doc["summary"]["producer_wake_ms"]["push"]  # kv_ready -> P's worker took it, and its in-step part
+    assert wake["requests"] >= 3 and 0 <= wake["in_step_ms_p50"] <= wake["wake_ms_p50"] + 1e-3, wake
     assert "push" in doc["slow_hooks"]  # hook calls over 50 us, counted from the event log (any number)
     stages = doc["stages"]["push"]["96x4"]  # every stage of every request was seen, in protocol order
     assert stages["requests"] == 3

@@ -152,6 +152,7 @@ def summarize(result: dict) -> dict:
         "producer_write_stage_means_ms": write_stage_means(result.get("metrics", {})),
         "slow_engine_hooks": result.get("slow_hooks", {}),
         "slow_engine_hook_detail": result.get("slow_hook_detail", {}),
+        "producer_wake_ms": result.get("wake", {}),
     }
 
 
@@ -170,6 +171,21 @@ def slow_hook_key(e: dict) -> str:
     """`<role> <hook>: <what the step handed over>` of one `slow_hook` event (the first kind it had)."""
     what = next((name for name in ("recvs", "sends", "streams", "other") if e.get(name)), "nothing")
     return f"{e['role']} {e.get('hook')}: {what}"
+
+
+def wake_split(events: list[dict]) -> dict:
+    """P's wake (kv_ready call -> its worker takes the request; `kv_ready` events) and the part of it inside the
+    step that took it (NIXL's get_notifs, the items before it): median and mean in ms, and how many."""
+    ready = [e for e in events if e.get("ev") == "kv_ready" and "wake_ms" in e]
+    if not ready:
+        return {}
+    out: dict = {"requests": len(ready)}
+    for field in ("wake_ms", "in_step_ms"):
+        values = [e[field] for e in ready if field in e]
+        if values:
+            out[f"{field}_p50"] = round(statistics.median(values), 3)
+            out[f"{field}_mean"] = round(statistics.fmean(values), 3)
+    return out
 
 
 def slow_hook_detail(events: list[dict]) -> dict[str, dict]:
@@ -819,6 +835,7 @@ def main() -> int:
                             result["metrics"][mode]["timelines"], events, windows)
                         result.setdefault("slow_hooks", {})[mode] = slow_hooks(events)
                         result.setdefault("slow_hook_detail", {})[mode] = slow_hook_detail(events)
+                        result.setdefault("wake", {})[mode] = wake_split(events)
             except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' results
                 msg = f"{mode}: {e}"
                 print(f"[bench] FAILED {msg[:4000]}", flush=True)
