@@ -83,6 +83,10 @@ class Endpoint:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        # when the worker last went to sleep and how long the step before took (a hand-over's wake-up, split
+        # into arriving while it slept or while it was busy)
+        self._slept_from = float("-inf")
+        self._last_step_s = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Endpoint":
@@ -140,6 +144,7 @@ class Endpoint:
             return
         self._started.set()
         while not self._stop.is_set():
+            began = self.clock()
             try:
                 busy = self._step()
             except Exception:  # keep serving; a bug in one message must not strand every request
@@ -147,6 +152,8 @@ class Endpoint:
                 self.stats.worker_errors.inc()
                 busy = False
             self.event.flush()  # what the engine thread logged since the last step
+            self._slept_from = self.clock()
+            self._last_step_s = self._slept_from - began
             self._wake.wait(self._poll_period(busy))
             self._wake.clear()
         self.event.flush()

@@ -193,8 +193,9 @@ class ProducerEndpoint(Endpoint):
             # rest being the worker coming round (its previous step, its sleep, the GIL)
             step_start = self._last_fetch if self._last_fetch is not None else taken
             in_step_s = None if wake_s is None else min(wake_s, max(0.0, taken - step_start))
-            self.event("kv_ready", item.key, **({} if wake_s is None else
-                                                {"wake_ms": round(wake_s * 1e3, 3), "in_step_ms": round(in_step_s * 1e3, 3)}))
+            self.event("kv_ready", item.key, **({} if wake_s is None else {
+                "wake_ms": round(wake_s * 1e3, 3), "in_step_ms": round(in_step_s * 1e3, 3),
+                "asleep": item.enqueued_at >= self._slept_from, "prev_step_ms": round(self._last_step_s * 1e3, 3)}))
             if item.consumer_tp is not None and not self._routes(item.consumer_tp):
                 return self.rendezvous.on_unread(item.key, item.ready, now,
                                                  f"no rank of a TP-{item.consumer_tp} consumer reads from "

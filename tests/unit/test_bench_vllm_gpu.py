@@ -149,8 +149,14 @@ def test_vllms_own_request_timings_are_averaged_per_instance():
 def test_the_producers_wake_is_split_into_the_step_that_took_it_and_the_rest():
     events = [{"ev": "kv_ready", "wake_ms": 1.0, "in_step_ms": 0.2}, {"ev": "kv_ready", "wake_ms": 3.0, "in_step_ms": 0.4},
               {"ev": "kv_ready", "wake_ms": 2.0, "in_step_ms": 0.3}, {"ev": "kv_ready"}, {"ev": "posted", "wake_ms": 9.0}]
+    events[0] |= {"asleep": True, "prev_step_ms": 0.1}
+    events[1] |= {"asleep": False, "prev_step_ms": 2.5}
+    events[2] |= {"asleep": False, "prev_step_ms": 1.5}
     assert bench.wake_split(events) == {"requests": 3, "wake_ms_p50": 2.0, "wake_ms_mean": 2.0,
-                                        "in_step_ms_p50": 0.3, "in_step_ms_mean": 0.3}
+                                        "in_step_ms_p50": 0.3, "in_step_ms_mean": 0.3,
+                                        "asleep_requests": 1, "asleep_wake_ms_mean": 1.0, "asleep_prev_step_ms_max": 0.1,
+                                        "busy_requests": 2, "busy_wake_ms_mean": 2.5, "busy_prev_step_ms_max": 2.5,
+                                        "wake_ms_longest": [3.0, 2.0, 1.0]}
     assert bench.wake_split([{"ev": "slow_hook"}]) == {}
 
 

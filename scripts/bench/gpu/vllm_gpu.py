@@ -185,6 +185,15 @@ def wake_split(events: list[dict]) -> dict:
         if values:
             out[f"{field}_p50"] = round(statistics.median(values), 3)
             out[f"{field}_mean"] = round(statistics.fmean(values), 3)
+    # handed over while the worker slept (its wake-up: the OS and the GIL) or while it ran a step (the rest of
+    # that step, whose length is prev_step_ms); every wake, longest first, for the tail
+    for name, asleep in (("asleep", True), ("busy", False)):
+        group = [e for e in ready if e.get("asleep") is asleep]
+        if group:
+            out[f"{name}_requests"] = len(group)
+            out[f"{name}_wake_ms_mean"] = round(statistics.fmean(e["wake_ms"] for e in group), 3)
+            out[f"{name}_prev_step_ms_max"] = round(max(e.get("prev_step_ms", 0.0) for e in group), 3)
+    out["wake_ms_longest"] = sorted((e["wake_ms"] for e in ready), reverse=True)[:8]
     return out
 
 
