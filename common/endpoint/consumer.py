@@ -119,7 +119,8 @@ class ConsumerEndpoint(Endpoint):
         """While a key waits for bytes, a WriteDone may come any moment: poll at `wire_poll_s`, as the
         producer does while its WRITE is on the wire.  At `poll_s` (1 ms) the notice alone cost 0.3-0.9 ms;
         on the H200 in real vLLM 0.2 ms cut the exposed time of a streamed push from 1.2-1.6 to 0.9-1.0 ms
-        and moved neither D's inter-token latency nor P's prefill time (docs/benchmarks/h200-decode-hook.md)."""
+        and moved neither D's inter-token latency nor P's prefill time (compiled, docs/benchmarks/h200-decode-hook.md;
+        one eager run, unresolved: docs/benchmarks/h200-gil-wake.md)."""
         if busy:
             return min(self.cfg.wire_poll_s, self.cfg.poll_s)
         return super()._poll_period(busy)

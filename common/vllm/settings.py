@@ -44,9 +44,9 @@ class ConnectorSettings:
     stream_layers: bool = False
     stream_wake_every: int = 1  # EndpointConfig.stream_wake_every
     # The interpreter's GIL switch interval for this worker process (sys.setswitchinterval; None: leave
-    # Python's 5 ms).  kvpush's worker thread wakes on a hand-over but runs only once the engine thread lets
-    # go of the GIL, which a busy engine thread does only every switch interval: on the H200 that wait was
-    # the largest stage before a whole push's WRITE (mean 1.27 ms, h200-decode-hook.md).  Process-wide.
+    # Python's 5 ms), process-wide.  An experiment on kvpush's worker waiting for a busy engine thread's GIL
+    # after a hand-over: on the H200 (compiled) 1 ms and 0.2 ms changed neither that wake (~0.4 ms) nor any
+    # end-to-end number (docs/benchmarks/h200-gil-wake.md); eager mode not tried.
     gil_switch_interval_s: float | None = None
 
     @classmethod

@@ -65,9 +65,8 @@ class WorkerSide:
         log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
 
     def _set_switch_interval(self) -> None:
-        """Apply gil_switch_interval_s (process-wide): a woken kvpush thread waits at most this long for the GIL
-        held by the engine thread."""
-        seconds = getattr(self.settings, "gil_switch_interval_s", None)
+        """Apply gil_switch_interval_s (process-wide; see ConnectorSettings for what it was measured to do)."""
+        seconds = self.settings.gil_switch_interval_s
         if seconds is None:
             return
         self._switch_interval_before = sys.getswitchinterval()

@@ -7,16 +7,10 @@ import pytest
 
 from kvpush_common.endpoint.inbox import KVReady
 from kvpush_common.endpoint.producer import ProducerEndpoint
+from kvpush_common.testing.vllm_config import vllm_config
 from kvpush_common.vllm.metadata import KVPushMetadata, SendOp
 from kvpush_common.vllm.settings import ConnectorSettings
 from kvpush_common.vllm.worker import WorkerSide
-
-
-def vllm_config(**extra):
-    kt = SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra, engine_id="p0")
-    model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
-    return SimpleNamespace(kv_transfer_config=kt, model_config=model,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
 
 
 def test_the_default_is_output_and_an_unknown_value_is_refused():

@@ -8,14 +8,8 @@ import pytest
 from kvpush_common.endpoint.config import EndpointConfig
 from kvpush_common.endpoint.inbox import LayersReady
 from kvpush_common.endpoint.producer import ProducerEndpoint
+from kvpush_common.testing.vllm_config import vllm_config
 from kvpush_common.vllm.settings import ConnectorSettings
-
-
-def vllm_config(**extra):
-    kt = SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra, engine_id="p0")
-    model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
-    return SimpleNamespace(kv_transfer_config=kt, model_config=model,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
 
 
 def handed_over(every: int, layers: int = 12) -> list[tuple[int, bool]]:
