@@ -3,7 +3,7 @@
 
 It is KVPushConnector with the CUDA device backend bound: vLLM's CUDA KV tensors (every form in
 `kv_forms`: FlashAttention, FlashInfer, Triton; 5-D or packed 4-D) registered as VRAM (at most 4 GiB
-per registration), the CUDA device bound on the NIXL thread, and a CUDA event per step fencing each
+per registration; a cross-layer cache, `cross_layer_blocks`, whole over UCX), the CUDA device bound on the NIXL thread, and a CUDA event per step fencing each
 WRITE.  A form it cannot read fails the start-up, naming shape, strides and attention backend.
 """
 
@@ -37,7 +37,9 @@ class KVPushCudaConnector(KVPushConnector):
                               "KVPushConnector (kvpush_common.vllm.connector), whose layout reader knows the CPU cache")
         cfg = self._vllm_config
         return CudaKVCache(kv_caches, head_offset, block_size=cfg.cache_config.block_size, num_heads=self.local_kv_heads(),
-                           head_size=cfg.model_config.get_head_size(), backends=attention_backends(cfg, kv_caches))
+                           head_size=cfg.model_config.get_head_size(), backends=attention_backends(cfg, kv_caches),
+                           # the 4 GiB cap is for EFA registrations; over UCX a cross-layer cache registers whole
+                           whole_interleaved=self.settings.backend == "UCX")
 
 
 def attention_backends(vllm_config, layer_names) -> dict[str, str]:

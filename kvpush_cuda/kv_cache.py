@@ -54,18 +54,19 @@ def describe_cuda_caches(kv_caches: dict, *, block_size: int, num_heads: int, he
 
 
 class CudaKVCache(TensorStagingMixin, CudaDevice):
-    """vLLM's CUDA KV caches as a kvpush DeviceBackend (VRAM, registrations of at most 4 GiB)."""
+    """vLLM's CUDA KV caches as a kvpush DeviceBackend (VRAM, registrations of at most 4 GiB, except a
+    cross-layer cache with `whole_interleaved`, which is one registration)."""
 
     name = "cuda"
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int, *, block_size: int, num_heads: int,
-                 head_size: int, backends: dict[str, str] | None = None):
+                 head_size: int, backends: dict[str, str] | None = None, whole_interleaved: bool = False):
         layout, allocations, device = describe_cuda_caches(kv_caches, block_size=block_size, num_heads=num_heads,
                                                            head_size=head_size, head_offset=head_offset,
                                                            backends=backends)
         super().__init__(device)
         self._kv_caches = kv_caches
-        self._layout, self._regs = sliced_registrations(layout, allocations, device)
+        self._layout, self._regs = sliced_registrations(layout, allocations, device, whole_interleaved=whole_interleaved)
 
     def layout(self) -> KVLayout:
         return self._layout

@@ -138,6 +138,30 @@ def _units_touch(layout: KVLayout, num_heads: int) -> bool:
     return bool((_region_columns(layout)[1] == unit).all())
 
 
+def _blocks_tile(layout: KVLayout, route: HeadRoute) -> bool:
+    """A cross-layer cache moved whole: block b of region r sits at base + b * stride + r * block_bytes with
+    stride = regions * block_bytes, one registration, all heads routed; then blocks b..b+n-1 of every region
+    are one span."""
+    if route.num_heads != layout.num_heads or len(layout.regions) < 2:
+        return False
+    base, stride, dev = (c[:, 0] for c in _region_columns(layout))
+    bb = np.uint64(layout.block_bytes)
+    return (bool((stride == bb * np.uint64(base.size)).all())
+            and bool((base == base[0] + bb * np.arange(base.size, dtype=np.uint64)).all())
+            and bool((dev == dev[0]).all()) and len({r.mem_id for r in layout.regions}) == 1)
+
+
+def _tiled_rows(layout: KVLayout, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`[addr, len, dev]` per run of a `_blocks_tile` layout: every region's blocks of the run in one span."""
+    reg = layout.regions[0]
+    stride = np.uint64(reg.block_stride)
+    rows = np.empty((starts.size, 3), np.uint64)
+    rows[:, 0] = np.uint64(reg.base) + stride * starts.astype(np.uint64)
+    rows[:, 1] = stride * lengths.astype(np.uint64)
+    rows[:, 2] = reg.device_id
+    return rows
+
+
 def block_runs(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src_start, dst_start, length) of the maximal runs consecutive on both sides (pairs in source order)."""
     if src_blocks.size == 0:
@@ -160,10 +184,16 @@ def _run_rows(layout: KVLayout, head_start: int, num_heads: int, starts: np.ndar
 
 def merge_runs(src: KVLayout, dst: KVLayout, route: HeadRoute, plan: BlockPlan,
                max_descs: int | None = None) -> TransferPlan | None:
-    """One descriptor per (region, run of blocks consecutive on both sides), or None when the units of
+    """One descriptor per (region, run of blocks consecutive on both sides), or per run when both sides are
+    cross-layer caches whose blocks hold every region back to back (`_blocks_tile`), or None when the units of
     consecutive blocks do not touch (head slices, K/V-interleaved blocks), or, with `max_descs`, when
     merging would not halve the list or would leave more than `max_descs` entries (then per-block
     prepped lists are cheaper to post)."""
+    if _blocks_tile(src, route) and _blocks_tile(dst, route):  # cross-layer caches: one row per run
+        s0, d0, n = block_runs(plan.src_blocks, plan.dst_blocks)
+        if max_descs is not None and s0.size > min(max_descs, plan.num_descs // 2):
+            return None
+        return TransferPlan(_tiled_rows(src, s0, n), _tiled_rows(dst, d0, n), plan.nbytes)
     if not (_units_touch(src, route.num_heads) and _units_touch(dst, route.num_heads)):
         return None
     s0, d0, n = block_runs(plan.src_blocks, plan.dst_blocks)

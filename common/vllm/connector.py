@@ -77,8 +77,19 @@ class KVPushConnector(KVConnectorBase_V1):
         return self._sched is not None and self._sched.has_pending_push_work()
 
     # ---- worker side ---------------------------------------------------------------------------
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM >= 0.26 (CUDA) asks this before allocating: one cross-layer cache (setting `cross_layer_blocks`)."""
+        return self.settings.cross_layer_blocks
+
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend) -> None:
+        """vLLM's cross-layer cache (when it granted `prefer_cross_layer_blocks`), registered as per-layer views."""
+        from kvpush_common.vllm.cross_layer import cross_layer_views
+
+        self._worker.register_kv_caches(cross_layer_views(kv_cache, attn_backend, self._kv_cache_config))
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

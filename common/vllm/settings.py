@@ -48,6 +48,11 @@ class ConnectorSettings:
     # after a hand-over: on the H200 (compiled) 1 ms and 0.2 ms changed neither that wake (~0.4 ms) nor any
     # end-to-end number (docs/benchmarks/h200-gil-wake.md); eager mode not tried.
     gil_switch_interval_s: float | None = None
+    # Ask vLLM (>= 0.26, FlashAttention / FlashInfer / Triton, one uniform attention group) for its cross-layer
+    # KV cache: block b of every layer in one contiguous span, so a run of consecutive blocks is one NIXL
+    # descriptor instead of one per layer (vLLM's own NixlConnector prefers it).  vLLM ignores the wish where
+    # the model or backend does not qualify; then the per-layer caches are registered as before.
+    cross_layer_blocks: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "ConnectorSettings":
@@ -91,6 +96,7 @@ class ConnectorSettings:
             stream_layers=bool(_flag(extra, "stream_layers")),
             stream_wake_every=_at_least_one(extra, "stream_wake_every"),
             gil_switch_interval_s=_switch_interval(extra, "gil_switch_interval_s"),
+            cross_layer_blocks=bool(_flag(extra, "cross_layer_blocks")),
             staging={k: int(extra[k]) for k in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs",
                                                 "staging_partitions") if k in extra},
         )
