@@ -139,6 +139,7 @@ def contiguous_layout(
     dtype_size: int = 2,
     order: BlockOrder = "HND",
     blocks_first: bool = False,
+    cross_layer: bool = False,
     mem_id_per_layer: bool = False,
     mem_type: Literal["DRAM", "VRAM"] = "DRAM",
     device_id: int = 0,
@@ -148,12 +149,16 @@ def contiguous_layout(
 
     Per layer, `blocks_first=False` is (2, num_blocks, block) as FlashAttention and the Neuron
     plugin store it (K plane then V plane); `blocks_first=True` is (num_blocks, 2, block) as
-    FlashInfer stores it.
+    FlashInfer stores it.  `cross_layer=True` is vLLM's cross-layer cache instead: block-major, every layer's
+    K and V of block b back to back (`cross_layer_blocks`).
     """
     block_bytes = block_size * num_heads * head_dim * dtype_size
     layer_bytes = 2 * num_blocks * block_bytes
     regions = []
-    for layer in range(num_layers):
+    if cross_layer:
+        regions = [Region(base + r * block_bytes, 2 * num_layers * block_bytes, 0, device_id)
+                   for r in range(2 * num_layers)]
+    for layer in range(0 if cross_layer else num_layers):
         lbase = base + layer * layer_bytes
         mem_id = layer if mem_id_per_layer else 0
         if blocks_first:

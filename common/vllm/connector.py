@@ -6,6 +6,7 @@ Device backends subclass this and override `make_backend` (kvpush_cuda, kvpush_n
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -17,6 +18,8 @@ from kvpush_common.vllm.metadata import KVPushMetadata
 from kvpush_common.vllm.scheduler import SchedulerSide
 from kvpush_common.vllm.settings import ConnectorSettings
 from kvpush_common.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
 
 
 class KVPushConnector(KVConnectorBase_V1):
@@ -83,6 +86,9 @@ class KVPushConnector(KVConnectorBase_V1):
         return self.settings.cross_layer_blocks
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        if self.settings.cross_layer_blocks:
+            log.info("kvpush: cross_layer_blocks is set but vLLM allocated per-layer KV caches (this release, model "
+                     "or attention backend does not offer the cross-layer cache); moving per-layer blocks")
         self._worker.register_kv_caches(kv_caches)
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend) -> None:

@@ -49,12 +49,12 @@ def copy_ms(nbytes: int, reps: int = 5) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| wire poll | tokens | blocks | descriptors | handoff p50 | wake | fence | plan | post | wire | notice | "
-            "numpy copy |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| layout | wire poll | tokens | blocks | descriptors | handoff p50 | wake | fence | plan | post | wire | notice | "
+            "numpy copy |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         st = r["stage_ms_p50"]
-        lines.append(f"| {r['wire_poll_ms']:g} ms | {r['tokens']:,} | {r['arrangement']} | {r['descs_or_chunks']:,} | "
+        lines.append(f"| {r['layout']} | {r['wire_poll_ms']:g} ms | {r['tokens']:,} | {r['arrangement']} | {r['descs_or_chunks']:,} | "
                      f"{r['handoff_ms_p50']:.2f} ms | " + " | ".join(f"{st[s]:.3f}" for s in STAGES)
                      + f" | {r['wire_ms_p50']:.2f} | {r['notice_ms_p50']:.2f} | {r['raw_copy_ms']:.2f} ms |")
     return head + "\n".join(lines) + "\n"
@@ -70,14 +70,15 @@ def main() -> int:
         row["handoff_over_raw"] = round(row["handoff_ms_p50"] / row["raw_copy_ms"], 2)
     consecutive = [r for r in rows if r["arrangement"] == "consecutive"]
     summary = {}  # kvpush's own part before the post, and the whole handoff, for consecutive blocks
-    for w in dict.fromkeys(r["wire_poll_ms"] for r in rows):
-        mine = [r for r in consecutive if r["wire_poll_ms"] == w]
-        summary[f"before_post_ms_p50_max@wire_poll_ms={w}"] = round(max(
+    for lay, w in dict.fromkeys((r["layout"], r["wire_poll_ms"]) for r in rows):
+        mine = [r for r in consecutive if (r["layout"], r["wire_poll_ms"]) == (lay, w)]
+        at = f"@wire_poll_ms={w}" if lay == "per-layer" else f"@{lay},wire_poll_ms={w}"
+        summary[f"before_post_ms_p50_max{at}"] = round(max(
             sum(r["stage_ms_p50"][s] or 0.0 for s in STAGES) for r in mine), 3)
-        summary[f"handoff_ms_p50_max@wire_poll_ms={w}"] = round(max(r["handoff_ms_p50"] for r in mine), 3)
+        summary[f"handoff_ms_p50_max{at}"] = round(max(r["handoff_ms_p50"] for r in mine), 3)
     meta = {"machine": "CPU only (this workplace's 2-core machine), host memory, NIXL UCX on 127.0.0.1",
             "simulated": False, "gpu": None, "reps": args.reps,
-            "command": "python scripts/bench/cpu/handoff_stages.py --out " + args.out}
+            "command": " ".join(["python", "scripts/bench/cpu/handoff_stages.py", *sys.argv[1:]])}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))

@@ -39,9 +39,11 @@ def _p50(values: list) -> float | None:
 
 
 def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool,
-             poll_s: float = 0.0002, kind: str = "cuda", wire_poll_s: float | None = None) -> list[dict]:
+             poll_s: float = 0.0002, kind: str = "cuda", wire_poll_s: float | None = None,
+             cross_layer: bool = False) -> list[dict]:
     """One producer/consumer pair; every size x arrangement `reps` times after a warm-up; rows of medians.
-    `kind` "host" puts both slabs in host memory (the CPU twin of the same run)."""
+    `kind` "host" puts both slabs in host memory (the CPU twin of the same run); `cross_layer` lays both slabs
+    out as vLLM's cross-layer cache (block-major: a run of consecutive blocks is one descriptor)."""
     nblocks = 2 * max(tokens) // block + 8
     events = Path(tempfile.mkdtemp(prefix="kvpush-frag-"))
     env = {"KVPUSH_EVENT_DIR": str(events)}
@@ -49,13 +51,14 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
                staging_partitions=1, poll_s=poll_s) if staged else dict(poll_s=poll_s)
     cfg["wire_poll_s"] = wire_poll_s if wire_poll_s is not None else poll_s
     p, d = PeerProcess("P", env), PeerProcess("D", env)
+    geo = dict(GEO, cross_layer=True) if cross_layer else GEO
     out = []
     try:
         port = p.call("start", role="producer", cfg=dict(engine_id="P", total_kv_heads=1, **cfg),
-                      backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **GEO,
+                      backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **geo,
                                    **({"device": 0} if kind == "cuda" else {})))["port"]
         d.call("start", role="consumer", cfg=dict(engine_id="D", total_kv_heads=1, **cfg),
-               backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **GEO,
+               backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **geo,
                             **({"device": 1 if two else 0} if kind == "cuda" else {})))
         ref = dict(engine_id="P", host="127.0.0.1", port=port, tp_size=1)
         rng = np.random.default_rng(block)
@@ -87,6 +90,7 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
                 wire = [(x["write_done"]["t"] - x["posted"]["t"]) * 1e3 for x in s if "write_done" in x]
                 out.append({"block_size": block, "desc_kib": block * 256 // 1024, "tokens": ntok,
                             "poll_ms": poll_s * 1e3, "wire_poll_ms": cfg["wire_poll_s"] * 1e3,
+                            "layout": "cross-layer" if cross_layer else "per-layer",
                             "bytes": ntok * 128 * 256, "arrangement": arrangement,
                             "path": "staged" if s[0]["posted"].get("staged") else "direct",
                             "descs_or_chunks": s[0]["posted"].get("descs"),
@@ -112,16 +116,23 @@ def handoff_args(ap: argparse.ArgumentParser, out: str) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--wire-poll-ms", default="1,0.2",
                     help="the producer's poll period while its WRITE is on the wire, one pass each (1 = as before)")
+    ap.add_argument("--layouts", default="per-layer",
+                    help="per-layer (a region per layer's K and V) and/or cross-layer (vLLM's cross-layer cache), "
+                         "one pass each")
     ap.add_argument("--out", default=out)
 
 
 def handoff_passes(args, kind: str = "cuda", two: bool = False) -> list[dict]:
-    """Direct pushes, block 16, the endpoints' 1 ms poll: one pass per `--wire-poll-ms` value, rows of both."""
+    """Direct pushes, block 16, the endpoints' 1 ms poll: one pass per `--layouts` x `--wire-poll-ms` value."""
     tokens = [int(t) for t in args.tokens.split(",")]
+    layouts = args.layouts.split(",")
+    if set(layouts) - {"per-layer", "cross-layer"}:
+        raise SystemExit(f"--layouts takes per-layer and/or cross-layer, got {args.layouts!r}")
     rows = []
-    for wire_poll_ms in [float(x) for x in args.wire_poll_ms.split(",")]:
-        rows += run_case(16, tokens, staged=False, reps=args.reps, chunk_mib=64, two=two, poll_s=0.001, kind=kind,
-                         wire_poll_s=wire_poll_ms / 1e3)
+    for layout in layouts:
+        for wire_poll_ms in [float(x) for x in args.wire_poll_ms.split(",")]:
+            rows += run_case(16, tokens, staged=False, reps=args.reps, chunk_mib=64, two=two, poll_s=0.001,
+                             kind=kind, wire_poll_s=wire_poll_ms / 1e3, cross_layer=layout == "cross-layer")
     return rows
 
 

@@ -42,10 +42,15 @@ def main() -> int:
         row["goal_ms"] = round(1.1 * row["raw_copy_ms"] + 0.3, 3)
         print(json.dumps(row))
     consecutive = [r for r in rows if r["arrangement"] == "consecutive"]
-    summary = {f"handoff_over_raw_p50_max@wire_poll_ms={w}": max(r["handoff_over_raw"] for r in consecutive
-                                                                 if r["wire_poll_ms"] == w)
-               for w in dict.fromkeys(r["wire_poll_ms"] for r in rows)}
+    summary = {}
+    for lay, w in dict.fromkeys((r["layout"], r["wire_poll_ms"]) for r in rows):
+        mine = [r for r in consecutive if (r["layout"], r["wire_poll_ms"]) == (lay, w)]
+        at = f"@wire_poll_ms={w}" if lay == "per-layer" else f"@{lay},wire_poll_ms={w}"
+        summary[f"handoff_over_raw_p50_max{at}"] = max(r["handoff_over_raw"] for r in mine)
+        summary[f"handoff_ms_p50_max{at}"] = max(r["handoff_ms_p50"] for r in mine)
+        summary[f"goal_met{at}"] = all(r["handoff_ms_p50"] <= r["goal_ms"] for r in mine)
     meta = {"gpus": torch.cuda.device_count(), "device": torch.cuda.get_device_name(0), "reps": args.reps,
+            "command": " ".join(["python3", "scripts/bench/gpu/gpu_handoff.py", *sys.argv[1:]]),
             "note": "producer and consumer on the same GPU" if not two else "GPU 0 -> GPU 1"}
     Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2))
     print(json.dumps(summary))
