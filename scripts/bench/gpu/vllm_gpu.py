@@ -797,6 +797,9 @@ def main() -> int:
                        "kv_cache_gib": args.kv_cache_gib, "seed": args.seed,
                        "kvpush_extra": json.loads(args.kvpush_extra), "point_budget_s": args.point_budget_s,
                        "variants": {k: {"mode": b, "extra": e} for k, (b, e) in variants.items()},
+                       # vLLM switches that change what the connector gets (0.26's model runner V2 has no
+                       # cross-layer cache: VLLM_USE_V2_MODEL_RUNNER=0 for cross_layer_blocks)
+                       "vllm_env": {k: v for k, v in os.environ.items() if k == "VLLM_USE_V2_MODEL_RUNNER"},
                        "started": time.strftime("%Y-%m-%d %H:%M:%S")},
               "points": [], "metrics": {}, "errors": []}
     cluster = Cluster(args, model, logdir, gpus)
