@@ -11,7 +11,9 @@ frames, `sent_at` is its wall clock. A receiver accepts each (sender, seq) once:
 - at most `max_senders` senders are tracked. One silent for `max_age_s` is dropped (its frames are
   refused by age anyway); when the table is full of live senders the least recently heard one is
   evicted, and a sender not in the table is then refused if its frame is not newer than the newest
-  frame of any evicted sender (a lagging clock there looks like a replay: logged, never accepted).
+  frame of any evicted sender (a lagging clock there looks like a replay: logged, never accepted); a
+  sender admitted (again) keeps refusing frames no newer than that, so an evicted sender that comes back
+  cannot have its frames from before the eviction accepted twice.
 
 Pure state with time passed in; the codec holds one per instance behind a lock.
 """
@@ -33,6 +35,9 @@ class _Sender:
     seen: set[int] = field(default_factory=set)
     order: list[int] = field(default_factory=list)  # heap of `seen`
     floor: int = -1  # every seq <= floor is refused
+    # the evicted senders' newest frame when this one was (re)admitted: if it is one of them back again, its frames
+    # from before its eviction are no newer than this, so none of them is accepted a second time
+    evicted_up_to: float = float("-inf")
 
 
 class ReplayWindow:
@@ -57,15 +62,16 @@ class ReplayWindow:
         if -age > self.max_age_s:
             return f"frame dated {-age:.0f} s ahead of this clock, past the {self.max_age_s:.0f} s replay horizon"
         state = self._senders.get(sender)
+        if sent_at <= (self._evicted_up_to if state is None else state.evicted_up_to):
+            return (f"frame from sender {sender.hex()} not newer than a sender evicted from the full "
+                    f"replay table ({self.max_senders} senders): possibly a replay")
         if state is None:
-            if sent_at <= self._evicted_up_to:
-                return (f"frame from sender {sender.hex()} not newer than a sender evicted from the full "
-                        f"replay table ({self.max_senders} senders): possibly a replay")
+            admitted_after = self._evicted_up_to
             self._expire(now)
             if len(self._senders) >= self.max_senders:
                 _, evicted = self._senders.popitem(last=False)
                 self._evicted_up_to = max(self._evicted_up_to, evicted.newest_sent_at)
-            state = self._senders[sender] = _Sender(newest_sent_at=sent_at)
+            state = self._senders[sender] = _Sender(newest_sent_at=sent_at, evicted_up_to=admitted_after)
         if seq <= state.floor or seq in state.seen:
             return f"replayed frame (sender {sender.hex()}, seq {seq})"
         state.seen.add(seq)

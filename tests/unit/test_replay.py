@@ -83,3 +83,14 @@ def test_an_in_order_stream_is_always_accepted(n, window, step):
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         ReplayWindow(window=0)
+
+
+def test_an_evicted_sender_that_comes_back_cannot_replay_its_old_frames():
+    """Found by the property test above: S1 evicted by S2, readmitted with a newer frame (evicting S2), then its
+    first frame replayed.  The readmitted sender keeps the eviction horizon it was admitted under."""
+    w = ReplayWindow(max_senders=1, max_age_s=600)
+    assert w.check(S1, 0, 0.0, 0.0) is None
+    assert w.check(S2, 0, 0.0, 0.0) is None  # evicts S1 (newest frame at 0)
+    assert w.check(S1, 33, 5.0, 5.0) is None  # S1 back with a newer frame, evicting S2
+    assert "evicted" in w.check(S1, 0, 0.0, 5.0)  # its frame from before the eviction: refused
+    assert w.check(S1, 34, 6.0, 6.0) is None  # and its new frames still pass
