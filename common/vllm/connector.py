@@ -83,10 +83,10 @@ class KVPushConnector(KVConnectorBase_V1):
     @property
     def prefer_cross_layer_blocks(self) -> bool:
         """vLLM >= 0.26 (CUDA) asks this before allocating: one cross-layer cache (setting `cross_layer_blocks`)."""
-        return self.settings.cross_layer_blocks
+        return self.settings.wants_cross_layer_blocks()
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        if self.settings.cross_layer_blocks:
+        if self.settings.cross_layer_blocks:  # asked for explicitly (the default's wish is not worth a line)
             log.info("kvpush: cross_layer_blocks is set but vLLM allocated per-layer KV caches (this release, model "
                      "or attention backend does not offer the cross-layer cache); moving per-layer blocks")
         self._worker.register_kv_caches(kv_caches)

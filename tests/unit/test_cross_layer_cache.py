@@ -149,15 +149,16 @@ def test_bad_cross_layer_tensors_are_refused():
         cross_layer_views(cross, Broken, CONFIG)
 
 
-def test_the_connector_asks_vllm_for_it_only_when_set():
+def test_the_connector_asks_vllm_for_it_for_whole_request_transfers_over_ucx():
+    """Unset: wished for over UCX without layer streaming (where one descriptor per run pays); set: as set."""
     from kvpush_common.testing.vllm_config import vllm_config
-
-    conn = KVPushConnector.__new__(KVPushConnector)
     from kvpush_common.vllm.settings import ConnectorSettings
 
-    conn.settings = ConnectorSettings.from_vllm(vllm_config())
-    assert conn.prefer_cross_layer_blocks is False
-    conn.settings = ConnectorSettings.from_vllm(vllm_config(cross_layer_blocks=True))
-    assert conn.prefer_cross_layer_blocks is True
+    conn = KVPushConnector.__new__(KVPushConnector)
+    for extra, wished in (({}, True), ({"stream_layers": True}, False), ({"backend": "LIBFABRIC"}, False),
+                          ({"cross_layer_blocks": False}, False), ({"stream_layers": True, "cross_layer_blocks": True}, True),
+                          ({"backend": "LIBFABRIC", "cross_layer_blocks": True}, True)):
+        conn.settings = ConnectorSettings.from_vllm(vllm_config(**extra))
+        assert conn.prefer_cross_layer_blocks is wished, extra
     with pytest.raises(ValueError, match="cross_layer_blocks must be true or false"):
         ConnectorSettings.from_vllm(vllm_config(cross_layer_blocks="yes"))
