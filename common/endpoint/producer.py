@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, unit_table
+from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, descs_per_run, unit_table
 from kvpush_common.plan.layers import layer_slice
 from kvpush_common.plan.write import plan_write
 from kvpush_common.endpoint.base import Endpoint, Peer
@@ -568,7 +568,8 @@ class ProducerEndpoint(Endpoint):
             s, d = staged_pairs(self.layout, peer.layout, a.ready.block_ids, a.reg.block_ids,
                                 num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
             order = np.argsort(s, kind="stable")
-            if len(self.layout.regions) * block_runs(s[order], d[order])[0].size < self.cfg.staging_min_descs:
+            runs = block_runs(s[order], d[order])[0].size
+            if descs_per_run(self.layout, peer.layout, route) * runs < self.cfg.staging_min_descs:
                 return None
             per_chunk = blocks_per_chunk(self.layout, min(self.staging.chunk_bytes, slots.chunk_bytes))
         except PlanError:

@@ -151,6 +151,12 @@ def _blocks_tile(layout: KVLayout, route: HeadRoute) -> bool:
             and bool((dev == dev[0]).all()) and len({r.mem_id for r in layout.regions}) == 1)
 
 
+def descs_per_run(src: KVLayout, dst: KVLayout, route: HeadRoute) -> int:
+    """Descriptors `merge_runs` posts per run of consecutive blocks: one for cross-layer caches on both sides,
+    else one per region."""
+    return 1 if _blocks_tile(src, route) and _blocks_tile(dst, route) else len(src.regions)
+
+
 def _tiled_rows(layout: KVLayout, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`[addr, len, dev]` per run of a `_blocks_tile` layout: every region's blocks of the run in one span."""
     reg = layout.regions[0]

@@ -71,7 +71,7 @@ class Cluster:
 
     def start(self, *, total_heads=2, p_tp=1, d_tp=1, p_block=16, d_block=16, p_order="HND", d_order="HND",
               p_blocks_first=False, d_blocks_first=False, num_blocks=32, p_cfg=None, d_cfg=None,
-              p_faults=None, d_faults=None, d_agent_first=None):
+              p_faults=None, d_faults=None, d_agent_first=None, p_cross_layer=False, d_cross_layer=False):
         from kvpush_common.protocol.topology import local_heads
 
         self.p_tp = p_tp
@@ -98,6 +98,7 @@ class Cluster:
             reply = proc.call("start", role="producer", cfg=cfg, faults=p_faults,
                               backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=p_block,
                                            num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO,
+                                           **({"cross_layer": True} if p_cross_layer else {}),
                                            **self._device(False, r, p_tp, d_tp)))
             assert reply["nixl_backend"] == NIXL_BACKEND  # the agent really runs the backend under test
             if r == 0:
@@ -109,6 +110,7 @@ class Cluster:
             reply = proc.call("start", role="consumer", cfg=cfg, faults=d_faults, agent_first=d_agent_first,
                       backend=dict(kind=self.consumer_kind, num_heads=count, head_offset=first, block_size=d_block,
                                    num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO,
+                                   **({"cross_layer": True} if d_cross_layer else {}),
                                    **self._device(True, r, p_tp, d_tp)))
             assert reply["nixl_backend"] == NIXL_BACKEND
             proc.call("poison", byte=POISON)
@@ -707,6 +709,38 @@ def test_staged_and_direct_pushes_give_identical_bytes(cluster, staging, arrange
     assert_copied(cl, p_blocks, d_blocks, n)
     assert set(dirty(cl.consumers[0])) == set(d_blocks)
     assert _staged_count(cl) == (1 if staging == "on" and cluster.kind in STAGES else 0)
+
+
+CROSS_LAYER_KINDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]  # Neuron's plugin has no such cache
+
+
+@pytest.mark.parametrize("kind", CROSS_LAYER_KINDS)
+@pytest.mark.parametrize("p_cross,d_cross", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("arrangement", ["consecutive", "shuffled"])
+def test_cross_layer_caches_move_a_run_as_one_descriptor_and_pair_with_per_layer_ones(kind, p_cross, d_cross,
+                                                                                       arrangement):
+    """vLLM's cross-layer cache (`cross_layer_blocks`) on either side or both: the same bytes as always; with both,
+    a run of consecutive blocks is one descriptor, so staging (from 2 descriptors here) is left to shuffled blocks."""
+    cl = Cluster(kind)
+    try:
+        cfg = dict(STAGED, staging_min_descs=2)
+        cl.start(p_cfg=cfg, d_cfg=cfg, p_cross_layer=p_cross, d_cross_layer=d_cross)
+        n = 16 * 7 - 5
+        p_blocks, d_blocks = ([30, 2, 17, 9, 4, 25, 11], [5, 28, 13, 0, 21, 8, 19]) if arrangement == "shuffled" \
+            else (list(range(3, 10)), list(range(12, 19)))
+        cl.expect("xl", 0, d_blocks, n)
+        cl.ready("xl", 0, p_blocks, n)
+        assert wait(cl.consumers[0], 1) == [{"tid": "xl", "attempt": 0, "ok": True, "reason": ""}]
+        assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+        assert_copied(cl, p_blocks, d_blocks, n)
+        assert set(dirty(cl.consumers[0])) == set(d_blocks)
+        counters = cl.producers[0].call("stats")["counters"]
+        one_run = p_cross and d_cross and arrangement == "consecutive"
+        assert counters.get("kvpush_writes_staged_total", 0.0) == (0 if one_run else 1)
+        if one_run:
+            assert counters["kvpush_descriptors_posted_total"] == 1
+    finally:
+        cl.close()
 
 
 def test_staged_push_with_a_prefix_hit_and_tp_split(cluster):
