@@ -172,6 +172,34 @@ def test_producer_push_stages_are_averaged_from_its_histograms():
     assert got == {"push": {"wake": 1.5, "write": 2.5}}  # nothing counted (post): left out
 
 
+def test_descriptors_per_write_and_the_cross_layer_cache_are_reported(tmp_path):
+    events = [{"ev": "posted", "descs": 36}, {"ev": "posted", "descs": 1}, {"ev": "posted", "descs": 1},
+              {"ev": "posted", "descs": 4, "staged": True}, {"ev": "posted", "descs": 0}, {"ev": "kv_ready"}]
+    assert bench.posted_descs(events) == {"writes": 3, "p50": 1, "min": 1, "max": 36}
+    assert bench.posted_descs([]) == {}
+    (tmp_path / "p.log").write_text("INFO ... Allocating a cross layer KV cache of shape (7281, 36, 16, 8, 256)\n")
+    (tmp_path / "d.log").write_text("INFO ... kvpush: cross_layer_blocks is set but vLLM allocated per-layer\n")
+    assert bench.cross_layer_cache({"P": tmp_path / "p.log", "D": tmp_path / "d.log"}) == {"P": True, "D": False}
+
+
+def test_a_variant_sets_its_instances_environment_and_not_their_connector_config(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(base_port=30000, kvpush_extra='{"poll_s": 0.001}', no_event_log=True)
+    cluster = bench.Cluster(args, tmp_path, tmp_path, gpus=1)
+    cluster.variants = {"push-v1": ("push", {"cross_layer_blocks": True,
+                                             "vllm_env": {"VLLM_USE_V2_MODEL_RUNNER": 0}})}
+    started = []
+    cluster.server = lambda name, gpu, kv=None, env=None: started.append((name, kv, env)) or argparse.Namespace()
+    cluster.pair("push-v1")
+    assert [name for name, _, _ in started] == ["push-v1-P", "push-v1-D"]
+    for _, kv, env in started:
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_NIXL_SIDE_CHANNEL_PORT" in env
+        extra = kv["kv_connector_extra_config"]
+        assert extra["cross_layer_blocks"] is True and extra["poll_s"] == 0.001 and "vllm_env" not in extra
+    assert "vllm_env" in cluster.variants["push-v1"][1]  # the variant itself is left as given (pair runs per mode)
+
+
 def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
     """A device call runs at most 10 minutes: the sweep runs as one call per mode group, then --merge joins
     them (the single instance, measured by every run, counted once; a point measured twice is refused)."""

@@ -208,6 +208,9 @@ def posted_descs(events: list[dict]) -> dict:
     return {"writes": len(descs), "p50": statistics.median(descs), "min": min(descs), "max": max(descs)}
 
 
+# a variant's JSON may set environment variables of its P and D (e.g. {"vllm_env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})
+VARIANT_ENV = "vllm_env"
+
 CROSS_LAYER_LOG = "Allocating a cross layer KV cache"  # vLLM's allocate_uniform_kv_caches logs this line
 
 
@@ -443,9 +446,11 @@ class Cluster:
         nixl = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
                              "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), **events}
         extra = {**json.loads(self.args.kvpush_extra), **variant_extra}
-        p = self.server(f"{mode}-P", p_gpu, kv_config(base, "kv_producer", side, metrics, self.gpus, extra), nixl(side))
+        env = {str(k): str(v) for k, v in dict(extra.pop(VARIANT_ENV, None) or {}).items()}  # vLLM's own switches
+        p = self.server(f"{mode}-P", p_gpu, kv_config(base, "kv_producer", side, metrics, self.gpus, extra),
+                        {**nixl(side), **env})
         d = self.server(f"{mode}-D", d_gpu, kv_config(base, "kv_consumer", side + 2, metrics + 2, self.gpus, extra),
-                        nixl(side + 2))
+                        {**nixl(side + 2), **env})
         p.metrics_url = f"http://127.0.0.1:{metrics}/metrics" if base in ("push", "pull") else None
         d.metrics_url = f"http://127.0.0.1:{metrics + 2}/metrics" if base in ("push", "pull") else None
         return p, d
@@ -712,7 +717,7 @@ def main() -> int:
     ap.add_argument("--kvpush-extra", default="{}", help="JSON merged into kvpush's kv_connector_extra_config")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:JSON",
                     help="a kvpush mode with other settings, usable in --modes (e.g. push-staged=push:"
-                         "'{\"staging_bytes\": 1073741824}')")
+                         "'{\"staging_bytes\": 1073741824}'); the JSON's vllm_env sets its P and D environment")
     ap.add_argument("--points-for", action="append", default=[], metavar="NAME=POINTS",
                     help="measure this mode only at these points (a subset of --points)")
     ap.add_argument("--no-event-log", action="store_true",
