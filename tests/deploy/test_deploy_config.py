@@ -118,7 +118,9 @@ def test_cuda_plans(capsys):
     assert d["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and "NEURON_RT_MAP_HBM" not in d["env"]
     ucx = plan(capsys, "cuda", "--role", "decode", "--model", "m", "--backend", "UCX", "--topology", "two-host",
                "--advertise-host", "10.1.0.2", "--tp", "8")
-    assert ucx["env"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"} and ucx["prepend"] == {}
+    # over UCX the cross-layer KV cache is asked for: the model runner that grants it (vLLM 0.26)
+    assert ucx["env"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert ucx["prepend"] == {} and "VLLM_USE_V2_MODEL_RUNNER" not in p["env"]  # LIBFABRIC: per-layer caches
     assert ktc(ucx)["kv_connector_extra_config"]["backend"] == "UCX"
 
 
