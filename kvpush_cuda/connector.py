@@ -9,11 +9,29 @@ WRITE.  A form it cannot read fails the start-up, naming shape, strides and atte
 
 from __future__ import annotations
 
+import logging
+
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.vllm.connector import KVPushConnector
 
+log = logging.getLogger(__name__)
+
 
 class KVPushCudaConnector(KVPushConnector):
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """Ask for vLLM's cross-layer cache only where each layer's view stays a kvpush layout: block, then layer,
+        outermost (FlashAttention NHD).  Heads outside the layers (HND) would fail the start-up instead."""
+        if not super().prefer_cross_layer_blocks:
+            return False
+        orders = cross_layer_stride_orders(self._vllm_config)
+        if orders is not None and len(orders) == 1 and next(iter(orders))[:2] == (1, 0):
+            return True
+        if self.settings.cross_layer_blocks:  # asked for explicitly: say why not
+            log.info("kvpush: not asking vLLM for its cross-layer KV cache: the attention backend's stride order "
+                     "with layers %s does not put each block's layers outermost", sorted(orders or ()))
+        return False
+
     def choose_transport(self, extra: dict):
         """UCX, or LIBFABRIC after the EFA preflight (the default where the host has EFA devices)."""
         import os
@@ -53,3 +71,17 @@ def attention_backends(vllm_config, layer_names) -> dict[str, str]:
         except Exception:
             out[name] = getattr(backend, "__name__", "unknown")
     return out
+
+
+def cross_layer_stride_orders(vllm_config) -> set[tuple[int, ...]] | None:
+    """The physical dim order, layers dim included, of every attention backend of the model, as vLLM's cross-layer
+    allocation would use it (None: this vLLM cannot say)."""
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        with set_current_vllm_config(vllm_config):
+            return {tuple(b.get_kv_cache_stride_order(include_num_layers_dimension=True))
+                    for b in get_current_attn_backends(vllm_config)}
+    except Exception:  # noqa: BLE001 - an older vLLM, or a backend without a layered order: no cross-layer cache
+        return None

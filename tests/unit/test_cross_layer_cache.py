@@ -162,3 +162,36 @@ def test_the_connector_asks_vllm_for_it_for_whole_request_transfers_over_ucx():
         assert conn.prefer_cross_layer_blocks is wished, extra
     with pytest.raises(ValueError, match="cross_layer_blocks must be true or false"):
         ConnectorSettings.from_vllm(vllm_config(cross_layer_blocks="yes"))
+
+
+@pytest.mark.parametrize("orders,wished", [({(1, 0, 3, 2, 4)}, True), ({(1, 2, 0, 3, 4)}, False),
+                                           ({(1, 0, 3, 2, 4), (1, 2, 0, 3, 4)}, False), (None, False)])
+def test_the_cuda_connector_asks_only_where_layers_sit_right_inside_the_block(monkeypatch, orders, wished):
+    """FlashAttention NHD puts (block, layer) outermost: each layer's view is a kvpush layout.  HND puts heads
+    outside the layers, which no KVLayout describes: asking would fail the start-up, so it is not asked."""
+    from kvpush_common.testing.vllm_config import vllm_config
+    from kvpush_common.vllm.settings import ConnectorSettings
+    from kvpush_cuda import connector as cuda_connector
+
+    monkeypatch.setattr(cuda_connector, "cross_layer_stride_orders", lambda cfg: orders)
+    conn = cuda_connector.KVPushCudaConnector.__new__(cuda_connector.KVPushCudaConnector)
+    conn._vllm_config = None
+    conn.settings = ConnectorSettings.from_vllm(vllm_config())
+    assert conn.prefer_cross_layer_blocks is wished
+    conn.settings = ConnectorSettings.from_vllm(vllm_config(cross_layer_blocks=False))
+    assert conn.prefer_cross_layer_blocks is False
+
+
+def test_cross_layer_stride_orders_come_from_vllms_attention_backends(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector import utils
+
+    from kvpush_cuda.connector import cross_layer_stride_orders
+
+    monkeypatch.setattr(utils, "get_current_attn_backends", lambda cfg: [FlashAttn, FlashAttnHND, FlashAttn])
+    assert cross_layer_stride_orders(SimpleNamespace()) == {(1, 0, 3, 2, 4), (1, 2, 0, 3, 4)}
+
+    def broken(cfg):
+        raise RuntimeError("no layers")
+
+    monkeypatch.setattr(utils, "get_current_attn_backends", broken)
+    assert cross_layer_stride_orders(SimpleNamespace()) is None
