@@ -694,20 +694,26 @@ def _staged_count(cl) -> float:
     return cl.producers[0].call("stats")["counters"].get("kvpush_writes_staged_total", 0.0)
 
 
+def push_seven_blocks(cl: Cluster, tid: str, arrangement: str) -> None:
+    """One push of 7 blocks (the last partly filled: 4 chunks of 2 blocks, the last one block), consecutive or
+    shuffled on both sides: both ends report it done, the bytes are the producer's, nothing else was touched."""
+    n = 16 * 7 - 5
+    p_blocks, d_blocks = ([30, 2, 17, 9, 4, 25, 11], [5, 28, 13, 0, 21, 8, 19]) if arrangement == "shuffled" \
+        else (list(range(3, 10)), list(range(12, 19)))
+    cl.expect(tid, 0, d_blocks, n)
+    cl.ready(tid, 0, p_blocks, n)
+    assert wait(cl.consumers[0], 1) == [{"tid": tid, "attempt": 0, "ok": True, "reason": ""}]
+    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
+    assert_copied(cl, p_blocks, d_blocks, n)
+    assert set(dirty(cl.consumers[0])) == set(d_blocks)
+
+
 @pytest.mark.parametrize("arrangement", ["shuffled", "consecutive"])
 @pytest.mark.parametrize("staging", ["on", "off"])
 def test_staged_and_direct_pushes_give_identical_bytes(cluster, staging, arrangement):
     cfg = STAGED if staging == "on" else {}
     cl = cluster.start(p_cfg=cfg, d_cfg=cfg)
-    n = 16 * 7 - 5  # 7 blocks, the last partly filled: 4 chunks, the last one block
-    p_blocks, d_blocks = ([30, 2, 17, 9, 4, 25, 11], [5, 28, 13, 0, 21, 8, 19]) if arrangement == "shuffled" \
-        else (list(range(3, 10)), list(range(12, 19)))
-    cl.expect("st", 0, d_blocks, n)
-    cl.ready("st", 0, p_blocks, n)
-    assert wait(cl.consumers[0], 1) == [{"tid": "st", "attempt": 0, "ok": True, "reason": ""}]
-    assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
-    assert_copied(cl, p_blocks, d_blocks, n)
-    assert set(dirty(cl.consumers[0])) == set(d_blocks)
+    push_seven_blocks(cl, "st", arrangement)
     assert _staged_count(cl) == (1 if staging == "on" and cluster.kind in STAGES else 0)
 
 
@@ -725,15 +731,7 @@ def test_cross_layer_caches_move_a_run_as_one_descriptor_and_pair_with_per_layer
     try:
         cfg = dict(STAGED, staging_min_descs=2)
         cl.start(p_cfg=cfg, d_cfg=cfg, p_cross_layer=p_cross, d_cross_layer=d_cross)
-        n = 16 * 7 - 5
-        p_blocks, d_blocks = ([30, 2, 17, 9, 4, 25, 11], [5, 28, 13, 0, 21, 8, 19]) if arrangement == "shuffled" \
-            else (list(range(3, 10)), list(range(12, 19)))
-        cl.expect("xl", 0, d_blocks, n)
-        cl.ready("xl", 0, p_blocks, n)
-        assert wait(cl.consumers[0], 1) == [{"tid": "xl", "attempt": 0, "ok": True, "reason": ""}]
-        assert wait(cl.producers[0], 1)[0]["outcome"] == "done"
-        assert_copied(cl, p_blocks, d_blocks, n)
-        assert set(dirty(cl.consumers[0])) == set(d_blocks)
+        push_seven_blocks(cl, "xl", arrangement)
         counters = cl.producers[0].call("stats")["counters"]
         one_run = p_cross and d_cross and arrangement == "consecutive"
         assert counters.get("kvpush_writes_staged_total", 0.0) == (0 if one_run else 1)
