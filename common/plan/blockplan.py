@@ -17,7 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from kvpush_common.protocol.layout import KVLayout, same_block_arrangement
-from kvpush_common.plan.planner import PlanError, TransferPlan, check_block_ids
+from kvpush_common.plan.planner import PlanError, TransferPlan, _increasing, check_block_ids
 from kvpush_common.protocol.topology import HeadRoute
 
 
@@ -126,8 +126,9 @@ def plan_blocks(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_
     d = check_block_ids(dst_blocks, 0, nblk, dst, "dst")
     # Pairs in source order: blocks freed in reverse and reallocated on both sides become ascending
     # runs again, which NIXL (and merge_runs) can merge.
-    order = np.argsort(s, kind="stable")
-    s, d = s[order], d[order]
+    if not _increasing(s):
+        order = np.argsort(s, kind="stable")
+        s, d = s[order], d[order]
     nbytes = len(src.regions) * nblk * bs * route.num_heads * src.token_bytes
     return BlockPlan(s, d, len(src.regions), src.num_blocks, dst.num_blocks, nbytes)
 
@@ -142,13 +143,27 @@ def _blocks_tile(layout: KVLayout, route: HeadRoute) -> bool:
     """A cross-layer cache moved whole: block b of region r sits at base + b * stride + r * block_bytes with
     stride = regions * block_bytes, one registration, all heads routed; then blocks b..b+n-1 of every region
     are one span."""
-    if route.num_heads != layout.num_heads or len(layout.regions) < 2:
-        return False
-    base, stride, dev = (c[:, 0] for c in _region_columns(layout))
-    bb = np.uint64(layout.block_bytes)
-    return (bool((stride == bb * np.uint64(base.size)).all())
-            and bool((base == base[0] + bb * np.arange(base.size, dtype=np.uint64)).all())
-            and bool((dev == dev[0]).all()) and len({r.mem_id for r in layout.regions}) == 1)
+    return route.num_heads == layout.num_heads and _tiles(layout)
+
+
+_TILES: dict[int, tuple[KVLayout, bool]] = {}  # id(layout) -> (layout, tiles): checked once per layout object
+
+
+def _tiles(layout: KVLayout) -> bool:
+    hit = _TILES.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    tiles = len(layout.regions) >= 2
+    if tiles:
+        base, stride, dev = (c[:, 0] for c in _region_columns(layout))
+        bb = np.uint64(layout.block_bytes)
+        tiles = (bool((stride == bb * np.uint64(base.size)).all())
+                 and bool((base == base[0] + bb * np.arange(base.size, dtype=np.uint64)).all())
+                 and bool((dev == dev[0]).all()) and len({r.mem_id for r in layout.regions}) == 1)
+    if len(_TILES) >= 64:  # layouts of peers long gone
+        _TILES.clear()
+    _TILES[id(layout)] = (layout, tiles)  # holds the layout, so its id is not reused while cached
+    return tiles
 
 
 def descs_per_run(src: KVLayout, dst: KVLayout, route: HeadRoute) -> int:

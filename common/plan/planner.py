@@ -80,10 +80,15 @@ def check_block_ids(ids, first: int, count: int, layout: KVLayout, side: str, ne
     """ids[first:first+count] as int64, each in range; on "dst" also no duplicates.  PlanError otherwise.
     The one block-id validator of every planning path (tokens, whole blocks, staged chunks)."""
     sel = _needed(_block_ids(ids, side), first, count, layout, side, needed_for or f"blocks [{first}, {first + count})")
-    if side == "dst" and np.unique(sel).size != sel.size:
+    # strictly increasing ids (the usual allocation) are distinct: a 2 us check before a 47 us unique
+    if side == "dst" and not _increasing(sel) and np.unique(sel).size != sel.size:
         vals, counts = np.unique(sel, return_counts=True)
         raise PlanError(f"dst block id {int(vals[counts > 1][0])} appears more than once: tokens would overwrite each other")
     return sel
+
+
+def _increasing(a: np.ndarray) -> bool:
+    return bool((a[1:] > a[:-1]).all())
 
 
 def _check_heads(layout: KVLayout, start: int, count: int, side: str) -> None:
