@@ -25,7 +25,7 @@ def backend():
 def test_ids_are_converted_to_ints_and_non_integers_are_refused():
     assert block_ids_as_ints(np.array([3, 1], dtype=np.int32)) == (3, 1)
     assert type(block_ids_as_ints((np.int64(2),))[0]) is int
-    for bad in ((1.5,), ("x",), (None,)):
+    for bad in ((1.5,), (2.0,), ("x",), (None,)):  # a float is refused even when whole
         with pytest.raises((TypeError, ValueError)):
             block_ids_as_ints(bad)
 

@@ -190,3 +190,16 @@ def test_region_columns_are_per_layout_object_even_past_the_cache_bound():
         assert int(table[0, 0]) == lay.regions[0].base and int(table[-1, 0]) == lay.regions[-1].base + 2 * lay.regions[-1].block_stride
     first, again = blockplan._region_columns(layouts[-1]), blockplan._region_columns(layouts[-1])
     assert all(a is b for a, b in zip(first, again))  # built once, not per call
+
+
+def test_cross_layer_tiling_is_decided_per_layout_object_even_past_the_cache_bound():
+    """`_blocks_tile` is checked once per layout (it ran twice per push); cross-layer and per-layer layouts
+    alternating past the cache's bound each keep their own answer, and a route with fewer heads never tiles."""
+    from kvpush_common.plan import blockplan
+
+    geo = dict(num_layers=2, num_heads=2, head_dim=8, block_size=4, num_blocks=3)
+    layouts = [contiguous_layout(1 << (20 + i % 20), cross_layer=i % 2 == 0, **geo) for i in range(70)]
+    whole, half = routes(2, 1, 1)[0], routes(2, 2, 2)[0]
+    for i, lay in enumerate(layouts + layouts[:3]):
+        assert blockplan._blocks_tile(lay, whole) is (i % 2 == 0)
+        assert blockplan._blocks_tile(lay, half) is False
