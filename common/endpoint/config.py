@@ -39,10 +39,13 @@ class EndpointConfig:
     staging_min_descs: int = 320
     staging_partitions: int = 4  # a consumer lends each producer rank 1/N of its pool (N producer ranks at most)
     poll_s: float = 0.001  # worker poll period while work is outstanding
-    # ... while a WRITE of this producer is on the wire: NIXL completes it, and sends the consumer its
-    # notification, only from our progress calls, so this bounds what completion waits for after the bytes
-    # landed (H200, 512 MiB over cuda_ipc: ~0.3 ms of copy seen 1.2 ms after the post at poll_s); and the
-    # consumer's period while any key waits for its bytes (wire_poll_s = poll_s restores 1 ms there)
+    # the producer's period while one of its WRITEs is on the wire: NIXL completes it, and sends the consumer
+    # its notification, only from our progress calls, so this bounds what completion waits for after the bytes
+    # landed (H200, 128 MiB over cuda_ipc: a 0.08 ms copy seen done 0.43 ms after the post at 0.2 ms, 0.11 ms
+    # at 0.05 ms, h200-handoff-plan.md).  Short-lived (a WRITE lasts 0.1-80 ms), so it can be short.
+    write_poll_s: float = 0.00005
+    # the consumer's period while any key waits for its bytes (the whole prefill: wire_poll_s = poll_s
+    # restores 1 ms there, for a GIL-bound eager engine, h200-gil-wake.md)
     wire_poll_s: float = 0.0002
     # push: WRITE each layer's KV into registered consumer ranks while the prefill still runs (the engine
     # calls `layers_ready`); the whole-request push then sends only what is left, with WriteDone
@@ -72,7 +75,7 @@ class EndpointConfig:
         if self.heartbeat_s * 2 > min(self.lease_s, self.reg_ttl_s):
             raise ValueError("heartbeat_s must be at most half of lease_s and reg_ttl_s, or leases lapse between beats")
         for name in ("lease_s", "reg_ttl_s", "write_timeout_s", "transfer_timeout_s", "handshake_timeout_s",
-                     "poll_s", "idle_poll_s", "wire_poll_s"):
+                     "poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.stream_wake_every < 1:

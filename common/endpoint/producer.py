@@ -177,7 +177,7 @@ class ProducerEndpoint(Endpoint):
 
     def _poll_period(self, busy: bool) -> float:
         if self._batches or any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
-            return min(self.cfg.wire_poll_s, self.cfg.poll_s)  # on the wire: see it complete soon
+            return min(self.cfg.write_poll_s, self.cfg.poll_s)  # on the wire: see it complete soon
         return super()._poll_period(busy)
 
     def _on_item(self, item, now: float) -> list:

@@ -99,11 +99,11 @@ def test_poll_periods_come_from_the_connector_config():
     from kvpush_common.vllm.settings import ConnectorSettings
 
     kt = SimpleNamespace(kv_role="kv_producer", engine_id="p0",
-                         kv_connector_extra_config={"wire_poll_s": 0.0005, "poll_s": 0.002})
+                         kv_connector_extra_config={"wire_poll_s": 0.0005, "write_poll_s": 0.0001, "poll_s": 0.002})
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
     cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
     ep = ConnectorSettings.from_vllm(cfg).endpoint_config(0)
-    assert (ep.wire_poll_s, ep.poll_s, ep.idle_poll_s) == (0.0005, 0.002, 0.01)
+    assert (ep.wire_poll_s, ep.write_poll_s, ep.poll_s, ep.idle_poll_s) == (0.0005, 0.0001, 0.002, 0.01)
 
 
 def test_a_hook_call_over_the_goal_is_logged_with_what_the_step_handed_over(monkeypatch):

@@ -84,20 +84,22 @@ def test_producer_start_write_that_raises_still_gets_a_result():
 
 def test_the_producer_polls_faster_only_while_its_write_is_on_the_wire():
     """NIXL completes a WRITE, and notifies the consumer, only from the producer's progress calls: while one
-    is on the wire the worker steps every `wire_poll_s`, otherwise at its usual periods."""
+    is on the wire the worker steps every `write_poll_s`, otherwise at its usual periods (`wire_poll_s` is the
+    consumer's)."""
     import pytest
 
     from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite
 
-    cfg = EndpointConfig(engine_id="P", poll_s=0.001, idle_poll_s=0.01, wire_poll_s=0.0002)
+    cfg = EndpointConfig(engine_id="P", poll_s=0.001, idle_poll_s=0.01, wire_poll_s=0.0003, write_poll_s=0.0002)
     p = ProducerEndpoint(cfg, backend())
     assert p._poll_period(False) == 0.01 and p._poll_period(True) == 0.001
     p._inflight.append(AwaitingFence(None, 0.0, 1.0))  # waiting for the device: nothing on the wire yet
     assert p._poll_period(True) == 0.001
     p._inflight.append(DirectWrite(None, 0.0, 1.0))
     assert p._poll_period(True) == 0.0002
-    with pytest.raises(ValueError, match="wire_poll_s"):
-        EndpointConfig(engine_id="P", wire_poll_s=0).validate()
+    for name in ("wire_poll_s", "write_poll_s"):
+        with pytest.raises(ValueError, match=name):
+            EndpointConfig(engine_id="P", **{name: 0}).validate()
 
 
 def test_a_consumer_waiting_for_bytes_polls_at_the_wire_period():

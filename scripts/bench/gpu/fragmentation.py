@@ -50,6 +50,7 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
     cfg = dict(staging_bytes=1 << 30, staging_chunk_bytes=chunk_mib << 20, staging_min_descs=1,
                staging_partitions=1, poll_s=poll_s) if staged else dict(poll_s=poll_s)
     cfg["wire_poll_s"] = wire_poll_s if wire_poll_s is not None else poll_s
+    cfg["write_poll_s"] = cfg["wire_poll_s"]  # --wire-poll-ms sets both sides' poll while the bytes move
     p, d = PeerProcess("P", env), PeerProcess("D", env)
     geo = dict(GEO, cross_layer=True) if cross_layer else GEO
     out = []
@@ -115,7 +116,8 @@ def handoff_args(ap: argparse.ArgumentParser, out: str) -> None:
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--wire-poll-ms", default="1,0.2",
-                    help="the producer's poll period while its WRITE is on the wire, one pass each (1 = as before)")
+                    help="the poll period of both sides while the bytes move (write_poll_s on the producer, wire_poll_s on "
+                         "the consumer), one pass each (1 = as before)")
     ap.add_argument("--layouts", default="per-layer",
                     help="per-layer (a region per layer's K and V) and/or cross-layer (vLLM's cross-layer cache), "
                          "one pass each")
