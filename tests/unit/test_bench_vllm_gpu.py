@@ -223,3 +223,21 @@ def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
     again = subprocess.run([sys.executable, script, "--merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
                             "--out", str(tmp_path), "--name", "dup"], capture_output=True, text=True)
     assert again.returncode != 0 and "twice" in again.stderr
+
+
+def test_scraped_text_is_parsed_by_prometheus_client_into_the_series_the_summaries_read():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    hook = Histogram("kvpush_engine_hook_seconds", "", ["hook"], buckets=(1e-5, 5e-5), registry=reg)
+    for s in [5e-6] * 98 + [4e-5] * 2:  # the 99th percentile call took <= 50 us
+        hook.labels(hook="start_load_kv").observe(s)
+    prefill = Histogram("vllm:request_prefill_time_seconds", "", ["model_name"], registry=reg)
+    prefill.labels(model_name="m").observe(0.25)
+    Histogram("vllm:e2e_request_latency_seconds", "", registry=reg).observe(1.0)  # not an ENGINE_SERIES
+    Counter("unrelated_total", "", registry=reg).inc()
+    got = bench.kept_samples(generate_latest(reg).decode())
+    assert got['kvpush_engine_hook_seconds_bucket{hook="start_load_kv",le="5e-05"}'] == 100.0
+    assert not any(k.startswith(("vllm:e2e", "unrelated", "vllm:request_prefill_time_seconds_bucket")) for k in got)
+    assert bench.engine_hook_p99({"push": {"D": got}}) == {"push": {"D": {"start_load_kv": 50.0}}}
+    assert bench.engine_means({"push": {"P": got}}) == {"push": {"P": {"request_prefill_time": 250.0}}}

@@ -587,20 +587,25 @@ def scrape(url: str | None) -> dict[str, float]:
     if not url:
         return {}
     code, text = get(url, timeout=10)
+    return kept_samples(text)
+
+
+def kept_samples(text: str) -> dict[str, float]:
+    """The samples `scrape` keeps of an exposition text (parsed by prometheus_client), keyed `name{labels}` as
+    they were exposed: histogram buckets only of the engine hooks (their p99 is a goal)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        series = line.split("{", 1)[0].split(" ", 1)[0]
-        engine = series.endswith(("_sum", "_count")) and series.rsplit("_", 1)[0] in ENGINE_SERIES
-        if line.startswith("#") or not (engine or line.startswith("kvpush_") or "nixl" in line
-                                        or "kv_connector" in line or line.startswith("vllm:kv_")):
-            continue
-        name, _, value = line.rpartition(" ")
-        if "_bucket{" in name and not name.startswith("kvpush_engine_hook_seconds"):
-            continue  # histogram buckets: only the engine hooks' (their p99 is a goal)
-        try:
-            out[name] = float(value)
-        except ValueError:
-            pass
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            engine = s.name.endswith(("_sum", "_count")) and s.name.rsplit("_", 1)[0] in ENGINE_SERIES
+            if not (engine or s.name.startswith(("kvpush_", "vllm:kv_")) or "nixl" in s.name
+                    or "kv_connector" in s.name or any("nixl" in v or "kv_connector" in v for v in s.labels.values())):
+                continue
+            if s.name.endswith("_bucket") and not s.name.startswith("kvpush_engine_hook_seconds"):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
     return out
 
 
