@@ -83,22 +83,32 @@ def _unit_geometry(layout: KVLayout, head_start: int, num_heads: int):
     return base, stride, dev, np.uint64(inner), np.uint64(length)
 
 
-_COLUMNS: dict[int, tuple] = {}  # id(layout) -> (layout, base, stride, dev): an endpoint plans with a few layouts
+def _per_layout(cache: dict, layout: KVLayout, build):
+    """`build(layout)`, once per layout object: an endpoint plans with a few layouts, for every request."""
+    hit = cache.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    value = build(layout)
+    if len(cache) >= 64:  # layouts of peers long gone
+        cache.clear()
+    cache[id(layout)] = (layout, value)  # holds the layout, so its id is not reused while cached
+    return value
+
+
+_COLUMNS: dict[int, tuple] = {}  # id(layout) -> (layout, (base, stride, dev))
 
 
 def _region_columns(layout: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per region (column vectors, read-only): base, block stride, device; built once per layout object, so
     planning a request does no Python work per region."""
-    hit = _COLUMNS.get(id(layout))
-    if hit is not None and hit[0] is layout:
-        return hit[1:]
+    return _per_layout(_COLUMNS, layout, _build_columns)
+
+
+def _build_columns(layout: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     cols = tuple(np.array([getattr(r, f) for r in layout.regions], np.uint64)[:, None]
                  for f in ("base", "block_stride", "device_id"))
     for c in cols:
         c.flags.writeable = False
-    if len(_COLUMNS) >= 64:  # layouts of peers long gone
-        _COLUMNS.clear()
-    _COLUMNS[id(layout)] = (layout, *cols)  # holds the layout, so its id is not reused while cached
     return cols
 
 
@@ -150,20 +160,17 @@ _TILES: dict[int, tuple[KVLayout, bool]] = {}  # id(layout) -> (layout, tiles): 
 
 
 def _tiles(layout: KVLayout) -> bool:
-    hit = _TILES.get(id(layout))
-    if hit is not None and hit[0] is layout:
-        return hit[1]
-    tiles = len(layout.regions) >= 2
-    if tiles:
-        base, stride, dev = (c[:, 0] for c in _region_columns(layout))
-        bb = np.uint64(layout.block_bytes)
-        tiles = (bool((stride == bb * np.uint64(base.size)).all())
-                 and bool((base == base[0] + bb * np.arange(base.size, dtype=np.uint64)).all())
-                 and bool((dev == dev[0]).all()) and len({r.mem_id for r in layout.regions}) == 1)
-    if len(_TILES) >= 64:  # layouts of peers long gone
-        _TILES.clear()
-    _TILES[id(layout)] = (layout, tiles)  # holds the layout, so its id is not reused while cached
-    return tiles
+    return _per_layout(_TILES, layout, _check_tiles)
+
+
+def _check_tiles(layout: KVLayout) -> bool:
+    if len(layout.regions) < 2:
+        return False
+    base, stride, dev = (c[:, 0] for c in _region_columns(layout))
+    bb = np.uint64(layout.block_bytes)
+    return (bool((stride == bb * np.uint64(base.size)).all())
+            and bool((base == base[0] + bb * np.arange(base.size, dtype=np.uint64)).all())
+            and bool((dev == dev[0]).all()) and len({r.mem_id for r in layout.regions}) == 1)
 
 
 def descs_per_run(src: KVLayout, dst: KVLayout, route: HeadRoute) -> int:
