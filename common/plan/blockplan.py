@@ -11,6 +11,7 @@ the consumer's (freshly allocated) last block.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -233,3 +234,52 @@ def merge_runs(src: KVLayout, dst: KVLayout, route: HeadRoute, plan: BlockPlan,
 
 
 MERGED_MAX_DESCS = 8192  # above this a merged list costs more to build and post than prepped indices
+
+
+def consecutive_start(ids, first: int, count: int, num_blocks: int) -> int | None:
+    """b when `ids[first:first + count]` is b, b+1, ..., all in [0, num_blocks) (a fresh allocation, the usual
+    case), else None (then the numpy path validates and says what is wrong).  Python ints compared in C, no numpy:
+    the writer thread runs cold after its sleep, where each numpy call cost 20-60 us (plan stage 0.3-0.5 ms for a
+    0.05 ms hot plan on this machine, 0.3-0.45 ms on the H200 host: docs/benchmarks/h200-handoff-plan.md)."""
+    if type(ids) not in (list, tuple) or count < 1 or len(ids) < first + count or type(ids[first]) is not int:
+        return None
+    b = ids[first]
+    if b < 0 or b + count > num_blocks:
+        return None
+    try:  # array() refuses floats (2.0 would pass ==), as the numpy path's dtype check does
+        return b if array("q", ids[first:first + count]) == array("q", range(b, b + count)) else None
+    except (TypeError, OverflowError):
+        return None
+
+
+def plan_one_run(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_blocks, *, num_tokens: int,
+                 dst_first_token: int, max_descs: int | None) -> TransferPlan | None:
+    """`merge_runs(plan_blocks(...))` when both sides' blocks are one run of consecutive ids, built without the
+    per-block arrays; None for anything else (the general path then plans it, or says why not)."""
+    bs = src.block_size
+    if dst_first_token % bs or not 0 <= dst_first_token < num_tokens:
+        return None
+    first_blk, nblk = dst_first_token // bs, -(-(num_tokens - dst_first_token) // bs)
+    s0 = consecutive_start(src_blocks, first_blk, nblk, src.num_blocks)
+    d0 = consecutive_start(dst_blocks, 0, nblk, dst.num_blocks) if s0 is not None else None
+    if d0 is None:
+        return None
+    regions = len(src.regions)
+    nbytes = regions * nblk * bs * route.num_heads * src.token_bytes
+    cap = None if max_descs is None else min(max_descs, regions * nblk // 2)  # merge_runs' rule, for one run
+    if _blocks_tile(src, route) and _blocks_tile(dst, route):
+        if cap is not None and 1 > cap:
+            return None
+        return TransferPlan(_one_tiled_row(src, s0, nblk), _one_tiled_row(dst, d0, nblk), nbytes)
+    if not (_units_touch(src, route.num_heads) and _units_touch(dst, route.num_heads)):
+        return None
+    if cap is not None and regions > cap:
+        return None
+    one = np.ones(1, np.int64)
+    return TransferPlan(_run_rows(src, route.src_head_start, route.num_heads, one * s0, one * nblk),
+                        _run_rows(dst, route.dst_head_start, route.num_heads, one * d0, one * nblk), nbytes)
+
+
+def _one_tiled_row(layout: KVLayout, start: int, length: int) -> np.ndarray:
+    reg = layout.regions[0]
+    return np.array([[reg.base + reg.block_stride * start, reg.block_stride * length, reg.device_id]], np.uint64)

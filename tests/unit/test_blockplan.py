@@ -203,3 +203,62 @@ def test_cross_layer_tiling_is_decided_per_layout_object_even_past_the_cache_bou
     for i, lay in enumerate(layouts + layouts[:3]):
         assert blockplan._blocks_tile(lay, whole) is (i % 2 == 0)
         assert blockplan._blocks_tile(lay, half) is False
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_one_run_fast_path_plans_what_the_numpy_path_plans(data):
+    """Consecutive ids as Python lists take `plan_one_run`; the same ids as a numpy array take the per-block path.
+    Both give the same plan (or both refuse it), over per-layer and cross-layer layouts, prepped or not."""
+    from kvpush_common.plan.write import plan_write
+
+    total = data.draw(st.sampled_from([1, 2, 4]))
+    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    route = data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+    bs = data.draw(st.sampled_from([1, 2, 4]))
+    order = data.draw(st.sampled_from(["NHD", "HND"]))
+    geo = dict(num_layers=data.draw(st.integers(1, 3)), head_dim=data.draw(st.integers(1, 8)), dtype_size=2,
+               block_size=bs, num_blocks=16, order=order, cross_layer=data.draw(st.booleans()))
+    ls = contiguous_layout(1 << 30, num_heads=total // p_tp, **geo)
+    ld = contiguous_layout(1 << 40, num_heads=total // d_tp, **geo)
+    n = data.draw(st.integers(1, 8 * bs))
+    first = data.draw(st.integers(0, (n - 1) // bs)) * bs
+    k_s, k_d = -(-n // bs), -(-(n - first) // bs)
+    sblk = list(range(data.draw(st.integers(-1, 17 - k_s)), 99))[:k_s + data.draw(st.integers(0, 2))]
+    dblk = list(range(data.draw(st.integers(-1, 17 - k_d)), 99))[:k_d]
+    if data.draw(st.booleans()) and len(sblk) > 1:
+        sblk[-1] += 1  # the run breaks at its end
+    prepped = data.draw(st.booleans())
+    try:
+        ref = plan_write(ls, ld, route, np.array(sblk), np.array(dblk), num_tokens=n, dst_first_token=first,
+                         prepped=prepped)
+    except PlanError:
+        with pytest.raises(PlanError):
+            plan_write(ls, ld, route, sblk, tuple(dblk), num_tokens=n, dst_first_token=first, prepped=prepped)
+        return
+    got = plan_write(ls, ld, route, sblk, tuple(dblk), num_tokens=n, dst_first_token=first, prepped=prepped)
+    assert type(got) is type(ref) and got.nbytes == ref.nbytes and got.num_descs == ref.num_descs
+    if isinstance(ref, TransferPlan):
+        np.testing.assert_array_equal(got.src, ref.src)
+        np.testing.assert_array_equal(got.dst, ref.dst)
+        assert got.src.dtype == ref.src.dtype == np.uint64
+    else:
+        np.testing.assert_array_equal(got.local_idx, ref.local_idx)
+        np.testing.assert_array_equal(got.remote_idx, ref.remote_idx)
+
+
+def test_consecutive_start_takes_only_whole_int_runs_in_range():
+    from kvpush_common.plan.blockplan import consecutive_start
+
+    assert consecutive_start((3, 4, 5), 0, 3, 6) == 3
+    assert consecutive_start([9, 3, 4, 7], 1, 2, 6) == 3  # only the needed slice counts
+    assert consecutive_start((3, 4, 5), 0, 3, 5) is None  # 5 is out of range
+    assert consecutive_start((-1, 0), 0, 2, 5) is None
+    assert consecutive_start((3, 5), 0, 2, 9) is None
+    assert consecutive_start((3, 4), 0, 3, 9) is None  # too few ids
+    assert consecutive_start((2.0, 3.0), 0, 2, 9) is None  # floats go to the numpy path, which refuses them
+    assert consecutive_start((2, 3.0), 0, 2, 9) is None
+    assert consecutive_start((False, True), 0, 2, 9) is None
+    assert consecutive_start(np.arange(3), 0, 3, 9) is None  # arrays: the numpy path
+    assert consecutive_start((2**63, 2**63 + 1), 0, 2, 2**64) is None
