@@ -20,11 +20,12 @@ MAX_PENDING = 1 << 16  # records queued for the writer; a writer that stopped lo
 
 
 class EventLog:
-    """One endpoint's event file.  Only the endpoint's worker thread writes to it: a record made on another
-    thread (the engine thread's hooks) is queued and written at the worker's next step, because a file write
-    releases the GIL inside the engine's step and lets the worker run its whole step there (the decode's
-    once-per-receive hook tail on the H200 had another cause, the block-id conversion:
-    docs/benchmarks/h200-decode-hook.md).  Records carry their own time, and `read_events` sorts by it."""
+    """One endpoint's event file.  Only the endpoint's worker thread writes to it, once per step (`flush`, after
+    the step): a record made on any thread is queued.  A file write releases the GIL: inside the engine's step it
+    let the worker run its whole step there (the decode's once-per-receive hook tail on the H200 had another
+    cause, the block-id conversion: docs/benchmarks/h200-decode-hook.md), and inside the worker's push path
+    (kv_ready -> WRITE posted) each one let the engine thread take the GIL back before the post.  Records carry
+    their own time, and `read_events` sorts by it."""
 
     def __init__(self, path: Path | None):
         self._file = open(path, "ab", buffering=0) if path else None
@@ -51,7 +52,7 @@ class EventLog:
         if self._file is not None:
             rec = {"t": time.time(), "ev": ev, "tid": key.transfer_id, "attempt": key.attempt, **extra}
             self._pending.append(msgspec.json.encode(rec) + b"\n")
-            if self._writer in (None, threading.get_ident()):
+            if self._writer is None:  # no worker yet (a test driving steps by hand): write at once
                 self.flush()
 
     def flush(self) -> None:

@@ -61,11 +61,17 @@ class EndpointStats:
 
 
 class _Partial:
-    """A counter with the endpoint labels bound and the rest given at use."""
+    """A counter with the endpoint labels bound and the rest given at use.  Each child is looked up once:
+    prometheus_client's `labels` takes a lock and checks every value, and the push path observes four stages."""
 
     def __init__(self, counter: Counter, bound: dict[str, str]):
         self._counter = counter
         self._bound = bound
+        self._children: dict[tuple, object] = {}
 
     def labels(self, **extra: str):
-        return self._counter.labels(**self._bound, **extra)
+        key = tuple(extra.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._counter.labels(**self._bound, **extra)
+        return child

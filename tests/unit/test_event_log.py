@@ -1,4 +1,5 @@
-"""The event log never writes a file on a thread other than its writer (the engine thread's hooks only queue)."""
+"""The event log never writes a file on a thread other than its writer (the engine thread's hooks only queue),
+and the writer itself writes once per step (`flush`), not inside its push path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def test_records_from_another_thread_are_written_only_by_the_writer(tmp_path):
     engine.start()
     engine.join()
     assert read_events(tmp_path) == []  # queued: the engine thread wrote nothing
-    log("registered", KEY)  # the writer's own record goes at once, after what was queued
+    log("registered", KEY)  # the writer's own record is queued too: no file write (no GIL release) mid-step
+    assert read_events(tmp_path) == []
+    log.flush()  # the worker's end of step
     got = read_events(tmp_path)
     assert [(e["ev"], e["role"]) for e in got] == [("recv_staged", "consumer"), ("registered", "consumer")]
     assert got[0]["blocks"] == 3 and got[0]["t"] <= got[1]["t"]
