@@ -8,7 +8,9 @@ the KV ready; from the endpoints' event logs:
   handoff  = producer kv_ready -> consumer KV usable (what the request waits for after prefill)
   post     = kv_ready -> WRITE posted (planning + posting, on the worker thread)
   wire     = WRITE posted -> WRITE done
-next to a raw torch copy of the same bytes in one piece (the floor).  The run loop is
+next to a raw torch copy of the same bytes in one piece (the wire floor), and, with --nixl-floor, next to bare
+NIXL doing the same push from Python in the same run (`nixl_floor.py`: post -> the consumer sees the notification,
+same bytes, poll and pacing; the floor of any Python program over NIXL's API).  The run loop is
 fragmentation.py's (which adds block sizes and staged transfers).
 
     python3 scripts/bench/gpu/gpu_handoff.py --out runs/gpu-handoff.json
@@ -23,11 +25,14 @@ from pathlib import Path
 
 from fragmentation import handoff_args, handoff_passes  # noqa: E402
 from kvslab import peer_copy_ms  # noqa: E402
+from nixl_floor import bare_nixl_handoff  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     handoff_args(ap, "gpu-handoff.json")
+    ap.add_argument("--nixl-floor", action="store_true",
+                    help="also time bare NIXL's handoff of the same push (cross-layer rows), per wire poll")
     args = ap.parse_args()
     import torch
 
@@ -35,7 +40,15 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = handoff_passes(args, "cuda", two)
     raw = {t: peer_copy_ms(t * 128 * 256) for t in tokens}
+    floor = {}  # (tokens, poll ms) -> bare NIXL's handoff p50
+    if args.nixl_floor:
+        for w in dict.fromkeys(r["wire_poll_ms"] for r in rows):
+            floor.update({(f["tokens"], w): f for f in bare_nixl_handoff(tokens, args.reps, w / 1e3, "cuda", two)})
     for row in rows:
+        f = floor.get((row["tokens"], row["wire_poll_ms"])) if row["layout"] == "cross-layer" else None
+        if f is not None:  # the same bytes in one descriptor, by NIXL alone
+            row["nixl_floor"] = {k: f[k] for k in ("post_ms_p50", "done_ms_p50", "handoff_ms_p50")}
+            row["handoff_over_nixl_floor"] = round(row["handoff_ms_p50"] / f["handoff_ms_p50"], 2)
         row["raw_copy_ms"] = raw[row["tokens"]]
         row["handoff_over_raw"] = round(row["handoff_ms_p50"] / row["raw_copy_ms"], 2)
         # issue 15's whole-request goal: handoff p50 <= 1.1 x the copy + 0.3 ms (consecutive blocks)
@@ -49,6 +62,9 @@ def main() -> int:
         summary[f"handoff_over_raw_p50_max{at}"] = max(r["handoff_over_raw"] for r in mine)
         summary[f"handoff_ms_p50_max{at}"] = max(r["handoff_ms_p50"] for r in mine)
         summary[f"goal_met{at}"] = all(r["handoff_ms_p50"] <= r["goal_ms"] for r in mine)
+        if all("nixl_floor" in r for r in mine):  # how far kvpush is from bare NIXL, and whether NIXL alone meets the goal
+            summary[f"handoff_over_nixl_floor_p50_max{at}"] = max(r["handoff_over_nixl_floor"] for r in mine)
+            summary[f"nixl_floor_meets_goal{at}"] = all(r["nixl_floor"]["handoff_ms_p50"] <= r["goal_ms"] for r in mine)
     meta = {"gpus": torch.cuda.device_count(), "device": torch.cuda.get_device_name(0), "reps": args.reps,
             "command": " ".join(["python3", "scripts/bench/gpu/gpu_handoff.py", *sys.argv[1:]]),
             "note": "producer and consumer on the same GPU" if not two else "GPU 0 -> GPU 1"}
