@@ -59,6 +59,7 @@ class ProducerEndpoint(Endpoint):
         self._layer_chunks: tuple = (None, ())  # the last LayersReady chunks as handed over, and with int ids
         self._batches: list[LayerBatch] = []  # layer-streamed WRITE batches in flight
         self._deferred: list = []  # results for a destination held until its layer batch in flight ends
+        self._routes_by_tp: dict[int, tuple] = {}  # consumer TP size -> the routes this rank writes (`_routes`)
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def kv_ready(self, transfer_id: str, attempt: int, block_ids, num_tokens: int, written: bool = False,
@@ -126,8 +127,16 @@ class ProducerEndpoint(Endpoint):
                               self.staging.chunk_bytes)
         return super().local_hello(staging)
 
-    def _routes(self, consumer_tp: int):
-        return routes_from(self.cfg.total_kv_heads, self.cfg.tp_size, consumer_tp, self.cfg.rank)
+    def _routes(self, consumer_tp: int) -> tuple:
+        """The routes this rank writes into a TP-`consumer_tp` consumer; worked out once per TP size (a push
+        asked twice, each time building every route of the pairing)."""
+        got = self._routes_by_tp.get(consumer_tp)
+        if got is None:
+            got = tuple(routes_from(self.cfg.total_kv_heads, self.cfg.tp_size, consumer_tp, self.cfg.rank))
+            if len(self._routes_by_tp) >= 16:  # TP sizes of consumers long gone
+                self._routes_by_tp.clear()
+            self._routes_by_tp[consumer_tp] = got
+        return got
 
     def _expected_dests(self, consumer_engine: str, consumer_tp: int) -> frozenset[Dest]:
         return frozenset((consumer_engine, r.dst_rank) for r in self._routes(consumer_tp))
