@@ -8,9 +8,11 @@ caller of NIXL), and the handshake thread(s) (ZMQ only).
 from __future__ import annotations
 
 import collections
+import ctypes
 import hashlib
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +45,22 @@ class Peer:
 
 
 TransportFactory = Callable[[EndpointConfig, bool], Transport]
+
+_PR_SET_TIMERSLACK = 29
+WORKER_TIMER_SLACK_NS = 1_000
+
+
+def tighten_timer_slack(ns: int = WORKER_TIMER_SLACK_NS) -> bool:
+    """Let the calling thread's timed waits end when asked (Linux `prctl(PR_SET_TIMERSLACK)`, per thread).  The
+    kernel's default slack of 50 us is added to every timed wait: a 0.05 ms `Event.wait` took 0.12 ms (p50, this
+    machine) and 0.07 ms with 1 us, so the worker's write and wire polls were half as frequent as configured.
+    Best effort: False where the call is not there."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, ns, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def nixl_transport(cfg: EndpointConfig, progress_thread: bool) -> Transport:
@@ -130,6 +148,7 @@ class Endpoint:
         pass
 
     def _main(self) -> None:
+        tighten_timer_slack()  # the polls below sleep 0.05-10 ms: as long as configured, not 50 us more
         try:
             self.backend.bind_thread()
             self.event.bind_writer()
