@@ -47,14 +47,13 @@ class Peer:
 TransportFactory = Callable[[EndpointConfig, bool], Transport]
 
 _PR_SET_TIMERSLACK = 29
-WORKER_TIMER_SLACK_NS = 1_000
 
 
-def tighten_timer_slack(ns: int = WORKER_TIMER_SLACK_NS) -> bool:
-    """Let the calling thread's timed waits end when asked (Linux `prctl(PR_SET_TIMERSLACK)`, per thread).  The
-    kernel's default slack of 50 us is added to every timed wait: a 0.05 ms `Event.wait` took 0.12 ms (p50, this
-    machine) and 0.07 ms with 1 us, so the worker's write and wire polls were half as frequent as configured.
-    Best effort: False where the call is not there."""
+def set_timer_slack(ns: int) -> bool:
+    """How late the kernel may end the calling thread's timed waits (Linux `prctl(PR_SET_TIMERSLACK)`, per thread;
+    0: the thread's default).  The default slack of 50 us is added to every timed wait: a 0.05 ms `Event.wait` took
+    0.12 ms (p50, the CI machine) and 0.07 ms with 1 us, so the worker's write and wire polls were half as frequent
+    as configured.  Best effort: False where the call is not there."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -148,7 +147,7 @@ class Endpoint:
         pass
 
     def _main(self) -> None:
-        tighten_timer_slack()  # the polls below sleep 0.05-10 ms: as long as configured, not 50 us more
+        set_timer_slack(round(self.cfg.timer_slack_s * 1e9))  # the polls below sleep as long as configured
         try:
             self.backend.bind_thread()
             self.event.bind_writer()

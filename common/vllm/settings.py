@@ -75,7 +75,8 @@ class ConnectorSettings:
         secret = extra.get("secret") or os.environ.get("KVPUSH_SECRET")
         periods = {k: float(extra[k]) for k in ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s",
                                                  "transfer_timeout_s", "handshake_timeout_s",
-                                                 "poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s") if k in extra}
+                                                 "poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s", "timer_slack_s")
+                   if k in extra}
         model_config = vllm_config.model_config
         mode = str(extra.get("mode", "push"))
         if mode not in ("push", "pull"):
