@@ -56,7 +56,7 @@ class EndpointConfig:
     stream_wake_every: int = 1
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
     # the worker thread's timer slack (Linux): how late the kernel may end its timed waits.  Its default, 50 us,
-    # made a 0.05 ms poll sleep 0.12 ms (h200-handoff-slack.md); 0 leaves the kernel's default
+    # made a 0.05 ms poll sleep 0.14 ms (timer-slack-cpu.json, h200-handoff-slack.md); 0 leaves the kernel's default
     timer_slack_s: float = 1e-6
 
     @property

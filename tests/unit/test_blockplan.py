@@ -21,6 +21,14 @@ def _side(rng, *, heads, bs, order, blocks_first, num_blocks, geo):
     return buf, layout
 
 
+def _draw_pairing(data):
+    """KV heads in all, producer TP, consumer TP, and one route between them."""
+    total = data.draw(st.sampled_from([1, 2, 4]))
+    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
+    return total, p_tp, d_tp, data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+
+
 def _copy(buf_s, ls, buf_d, ld, route, plan):
     """Apply a block plan the way NIXL would: entry i of one unit table onto entry j of the other."""
     us = unit_table(ls, route.src_head_start, route.num_heads)[plan.local_idx]
@@ -34,10 +42,7 @@ def _copy(buf_s, ls, buf_d, ld, route, plan):
 @given(data=st.data())
 def test_block_plans_match_the_reference(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    total = data.draw(st.sampled_from([1, 2, 4]))
-    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
-    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
-    route = data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+    total, p_tp, d_tp, route = _draw_pairing(data)
     bs = data.draw(st.sampled_from([1, 2, 4, 16]))
     geo = dict(num_layers=data.draw(st.integers(1, 3)), head_dim=data.draw(st.integers(1, 8)), dtype_size=2)
     nblk = 12
@@ -120,10 +125,7 @@ def test_merged_runs_copy_the_same_bytes_as_per_block_plans(data):
     from kvpush_common.plan.write import plan_write
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    total = data.draw(st.sampled_from([1, 2, 4]))
-    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
-    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
-    route = data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+    total, p_tp, d_tp, route = _draw_pairing(data)
     bs = data.draw(st.sampled_from([1, 2, 4]))
     order = data.draw(st.sampled_from(["NHD", "HND"]))
     geo = dict(num_layers=data.draw(st.integers(1, 3)), head_dim=data.draw(st.integers(1, 8)), dtype_size=2)
@@ -212,10 +214,7 @@ def test_one_run_fast_path_plans_what_the_numpy_path_plans(data):
     Both give the same plan (or both refuse it), over per-layer and cross-layer layouts, prepped or not."""
     from kvpush_common.plan.write import plan_write
 
-    total = data.draw(st.sampled_from([1, 2, 4]))
-    p_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
-    d_tp = data.draw(st.sampled_from([t for t in (1, 2, 4) if total % t == 0]))
-    route = data.draw(st.sampled_from(routes(total, p_tp, d_tp)))
+    total, p_tp, d_tp, route = _draw_pairing(data)
     bs = data.draw(st.sampled_from([1, 2, 4]))
     order = data.draw(st.sampled_from(["NHD", "HND"]))
     geo = dict(num_layers=data.draw(st.integers(1, 3)), head_dim=data.draw(st.integers(1, 8)), dtype_size=2,

@@ -33,8 +33,9 @@ from kvpush_common.protocol.topology import routes
 from kvpush_common.testing.peer_proc import make_backend
 from kvpush_common.transport.nixl import NixlTransport, TransportConfig
 
-GEO = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2, block_size=16,
-           cross_layer=True)  # fragmentation.GEO, cross-layer
+from kvslab import QWEN3_32B_RANK  # noqa: E402
+
+GEO = dict(QWEN3_32B_RANK, block_size=16, cross_layer=True)  # gpu_handoff.py's cross-layer pass
 
 
 def _backend(kind: str, num_blocks: int, device: int):
