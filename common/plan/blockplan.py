@@ -239,17 +239,28 @@ MERGED_MAX_DESCS = 8192  # above this a merged list costs more to build and post
 def consecutive_start(ids, first: int, count: int, num_blocks: int) -> int | None:
     """b when `ids[first:first + count]` is b, b+1, ..., all in [0, num_blocks) (a fresh allocation, the usual
     case), else None (then the numpy path validates and says what is wrong).  Python ints compared in C, no numpy:
-    the writer thread runs cold after its sleep, where each numpy call cost 20-60 us (plan stage 0.3-0.5 ms for a
-    0.05 ms hot plan on this machine, 0.3-0.45 ms on the H200 host: docs/benchmarks/h200-handoff-plan.md)."""
+    the writer thread runs cold after its sleep, where the numpy path's many small calls cost 0.38 ms for a 0.04 ms
+    hot plan (docs/benchmarks/cold-plan-cpu.json; plan stage 0.3-0.45 ms on the H200 host, h200-handoff-plan.md)."""
     if type(ids) not in (list, tuple) or count < 1 or len(ids) < first + count or type(ids[first]) is not int:
         return None
     b = ids[first]
     if b < 0 or b + count > num_blocks:
         return None
     try:  # array() refuses floats (2.0 would pass ==), as the numpy path's dtype check does
-        return b if array("q", ids[first:first + count]) == array("q", range(b, b + count)) else None
+        return b if array("q", ids[first:first + count]) == _counting(b, b + count) else None
     except (TypeError, OverflowError):
         return None
+
+
+_COUNTING = array("q")  # 0, 1, 2, ...: slicing it copies memory, where array(range(...)) made an int per id
+
+
+def _counting(start: int, end: int) -> array:
+    """start, start + 1, ..., end - 1: a slice of one array grown by doubling, so a run of ids costs a memcpy."""
+    global _COUNTING
+    if len(_COUNTING) < end:
+        _COUNTING = array("q", range(max(end, 2 * len(_COUNTING))))
+    return _COUNTING[start:end]
 
 
 def plan_one_run(src: KVLayout, dst: KVLayout, route: HeadRoute, src_blocks, dst_blocks, *, num_tokens: int,

@@ -261,3 +261,5 @@ def test_consecutive_start_takes_only_whole_int_runs_in_range():
     assert consecutive_start((False, True), 0, 2, 9) is None
     assert consecutive_start(np.arange(3), 0, 3, 9) is None  # arrays: the numpy path
     assert consecutive_start((2**63, 2**63 + 1), 0, 2, 2**64) is None
+    assert consecutive_start(tuple(range(70_000, 70_300)), 0, 300, 10**6) == 70_000  # past what was compared before
+    assert consecutive_start((70_000, 70_001, 70_003), 0, 3, 10**6) is None
