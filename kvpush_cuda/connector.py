@@ -18,10 +18,18 @@ log = logging.getLogger(__name__)
 
 
 class KVPushCudaConnector(KVPushConnector):
+    @classmethod
+    def asks_cross_layer(cls, settings) -> bool:
+        """By default (`cross_layer_blocks` unset) for whole-request transfers over UCX (ConnectorSettings says why).
+        vLLM >= 0.29 then gets BLHNC from `get_required_kvcache_layout` and grants it only where every attention
+        backend supports it (FlashAttention, Triton and FlashInfer declare no restriction, FlexAttention LBNHC
+        only: vllm/v1/attention/backends/*.py `supported_kv_cache_layouts`, 0.32 and 0.33)."""
+        return settings.wants_cross_layer_blocks()
+
     @property
     def prefer_cross_layer_blocks(self) -> bool:
-        """Ask for vLLM's cross-layer cache only where each layer's view stays a kvpush layout: block, then layer,
-        outermost (FlashAttention NHD).  Heads outside the layers (HND) would fail the start-up instead."""
+        """vLLM 0.26-0.28: ask for the cross-layer cache only where each layer's view stays a kvpush layout: block,
+        then layer, outermost (FlashAttention NHD).  Heads outside the layers (HND) would fail the start-up instead."""
         if not super().prefer_cross_layer_blocks:
             return False
         orders = cross_layer_stride_orders(self._vllm_config)

@@ -8,6 +8,7 @@ permuted strides.  The logical dims, by release (read in each wheel's `v1/attent
 |---|---|
 | 0.24, 0.25 | 5-D `(blocks, 2, block_size, heads, head_size)`; NHD or HND stride order |
 | 0.26 – 0.33 | 4-D `(blocks, heads, block_size, 2 * head_size)`: each (token, head) row holds K then V; physical NHD `(blocks, block_size, heads, 2D)` by default, or HND |
+| 0.29 – 0.33 | the same 4-D views of one buffer for all layers (`kv_cache_interface.create_kv_cache_views`), laid out by the resolved `KVCacheLayout`: LBNHC / LBHNC per layer, BLNHC / BLHNC cross-layer (block stride = every layer's page), pages possibly padded |
 
 Older releases (and ROCm) used 5-D `(2, blocks, block_size, heads, head_size)`, read here as well.  The
 physical order is taken from the strides, never assumed.  Anything else (MLA's 3-D latent cache, K/V

@@ -47,7 +47,7 @@ class CudaTarget:
                 prepend = {"LD_LIBRARY_PATH": args.libfabric_dir}
         else:
             # over UCX kvpush asks for vLLM's cross-layer KV cache (one descriptor per run of blocks), which vLLM
-            # 0.26's default model runner V2 never grants; V1 does (docs/benchmarks/h200-runner-v1-cross-layer.md)
+            # 0.26's default model runner V2 never grants; V1 does (docs/benchmarks/h200-runner-v1-cross-layer.json)
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         notes = [f"{args.role} {args.index}: TP{args.tp} on GPUs {devices}, NIXL {args.backend}"]
         return deploy.server_plan(args, target=self.name, connector=CONNECTOR, module=MODULE, env=env,
@@ -69,7 +69,7 @@ def cuda_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path =
                 sysfs: Path | None = None, fabric_version="probe") -> list[Check]:
     extra = dict((plan or {}).get("extra") or {})
     backend = str(extra.get("backend") or "LIBFABRIC").upper()
-    checks = [deploy.check_python((3, 10), "kvpush")]
+    checks = [deploy.check_python((3, 10), "kvpush"), deploy.check_secret(env, plan)]
     gpus = nvidia_gpus(dev)
     checks.append(Check("gpus", True, f"{len(gpus)} NVIDIA GPUs") if gpus else Check("gpus", False, "none", (
         "no /dev/nvidia<N> device: run on a GPU host (p5en.48xlarge) with the NVIDIA driver loaded (nvidia-smi)",)))

@@ -1,12 +1,18 @@
-"""EFA preflight for Neuron HBM over NIXL LIBFABRIC (trn2), and the NIXL backend choice.
+"""EFA preflight for Neuron HBM over NIXL LIBFABRIC (trn2, trn3), and the NIXL backend choice.
 
-NIXL moves Neuron HBM only through its LIBFABRIC plugin (FI_HMEM_NEURON, NIXL >= 0.10).  On trn2.48xlarge
-each Trainium2 chip has one 200 Gb/s EFA, shared by its logical cores; NIXL registers a core's HBM on
-that chip's EFA only.  A misconfigured host fails late or gives wrong output (shm transport on one
-host), so every rule is checked at start-up and each problem names its fix.
+NIXL moves Neuron HBM only through its LIBFABRIC plugin (FI_HMEM_NEURON, NIXL >= 0.10) and registers a
+core's HBM on the EFA attached to that core's chip (libnrt's nrt_get_attached_efa_bdf).  Trainium2 and
+Trainium3 chips both hold 8 physical NeuronCores (NEURON_LOGICAL_NC_CONFIG=2, the default, makes 4
+logical ones), and every trn host has one 200 Gb/s EFA per chip: trn2.48xlarge 16 chips and 16 EFAs
+(3.2 Tb/s), a Trn3 Gen1 UltraServer server 16 chips (12.8 Tb/s per 64 chips), a Trn3 Gen2 server 4
+chips (28.8 Tb/s per 144 chips); trn2.3xlarge has no EFA.  So a rank's rail is its chip's, and a host
+launched with fewer EFA interfaces than chips leaves some ranks without one.
 
-`efa_devices` and `libfabric_version` are the same as kvpush_cuda.efa's (the backends may not share
-code except through kvpush_common).
+The environment rules are the vLLM Neuron plugin's own (its DI tutorial exports only
+FI_EFA_ENABLE_SHM_TRANSFER=0 for P and D on one host; FI_PROVIDER and FI_EFA_USE_DEVICE_RDMA may stay
+unset: libfabric then picks efa and uses the device's RDMA where it has it).  A misconfigured host fails
+late or gives wrong output (shm transport on one host), so each rule is checked at start-up and names
+its fix.  Sources: docs/neuron.md.
 """
 
 from __future__ import annotations
@@ -14,19 +20,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.transport.efa import SYSFS_RDMA, EfaPreflightError, efa_devices, env_and_library_problems
+from kvpush_common.transport.efa import (NIXL_LIBFABRIC_NEEDS, SYSFS_RDMA, EfaPreflightError, efa_devices,
+                                         libfabric_version)
 from kvpush_common.transport.nixl import TransportConfig
 
-from .runtime import core_visibility_problem, parse_core_list
+from .runtime import parse_core_list
 
-TRN2_PHYSICAL_CORES_PER_CHIP = 8
-TRN2_EFA_PER_INSTANCE = 16  # trn2.48xlarge: 16 chips, one EFA each
+PHYSICAL_CORES_PER_CHIP = 8  # Trainium2 (NeuronCore-v3) and Trainium3 (NeuronCore-v4)
 
 
 def cores_per_chip(env: Mapping[str, str]) -> int:
-    """Logical cores per Trainium2 chip: 8 physical cores / NEURON_LOGICAL_NC_CONFIG (default 2)."""
+    """Logical cores per Trainium2/3 chip: 8 physical cores / NEURON_LOGICAL_NC_CONFIG (default 2)."""
     lnc = int(env.get("NEURON_LOGICAL_NC_CONFIG") or 2)
-    return TRN2_PHYSICAL_CORES_PER_CHIP // lnc
+    return PHYSICAL_CORES_PER_CHIP // lnc
 
 
 def rank_rails(cores: list[int], devices: list[str], per_chip: int) -> list[str | None]:
@@ -36,32 +42,54 @@ def rank_rails(cores: list[int], devices: list[str], per_chip: int) -> list[str 
     return [devices[c // per_chip] if c // per_chip < len(devices) else None for c in cores]
 
 
+def fabric_env_problems(env: Mapping[str, str], fabric_version: tuple[int, int] | None | str = "probe") -> list[str]:
+    """The provider, device-RDMA and libfabric rules as the plugin states them: unset is fine, a value
+    that turns EFA or its RDMA off is not."""
+    problems = []
+    provider = env.get("FI_PROVIDER")
+    if provider not in (None, "", "efa"):
+        problems.append(f"FI_PROVIDER={provider}: set FI_PROVIDER=efa (or unset it) for EFA")
+    rdma = str(env.get("FI_EFA_USE_DEVICE_RDMA", "")).strip().lower()
+    if rdma in ("0", "false", "no", "off"):
+        problems.append(f"FI_EFA_USE_DEVICE_RDMA={env['FI_EFA_USE_DEVICE_RDMA']} turns the NIC's device RDMA off: "
+                        "unset it or set it to 1 (the plugin's EPD tutorial sets 1; reads of HBM never complete "
+                        "without it)")
+    version = libfabric_version() if fabric_version == "probe" else fabric_version
+    if version is None:
+        problems.append("libfabric.so.1 not found: install the EFA installer's libfabric (/opt/amazon/efa/lib) "
+                        "and put it on LD_LIBRARY_PATH")
+    elif version < NIXL_LIBFABRIC_NEEDS:
+        problems.append(f"libfabric {version[0]}.{version[1]} lacks the FABRIC_1.10 symbols NIXL's LIBFABRIC "
+                        f"plugin links against: use libfabric >= {NIXL_LIBFABRIC_NEEDS[0]}.{NIXL_LIBFABRIC_NEEDS[1]}")
+    return problems
+
+
 def neuron_efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, same_host: bool = True,
-                         fabric_version: tuple[int, int] | None | str = "probe") -> list[str]:
+                         fabric_version: tuple[int, int] | None | str = "probe",
+                         chips: int | None = None) -> list[str]:
     """Everything wrong with this host for Neuron HBM over LIBFABRIC/EFA, each with its fix (empty: ready).
-    `same_host`: a peer (P or D) may run on this host, which needs the shm transport off."""
+    `same_host`: a peer (P or D) may run on this host, which needs the shm transport off.  `chips`: the
+    Trainium chips of this host (/dev/neuron*), when known.  Cores are the server's NEURON_VISIBLE_DEVICES
+    (the plugin's worker sets it to 0..TP-1 when the user did not); unset, the rails are not mapped."""
     problems = []
     cores = parse_core_list(env.get("NEURON_VISIBLE_DEVICES", ""))
-    if core_visibility_problem(env):
-        problems.append(core_visibility_problem(env))
-    elif not cores:
-        problems.append("NEURON_VISIBLE_DEVICES is not set: set it to this server's logical cores (e.g. 0-3 for "
-                        "TP4) so each rank's chip and EFA rail are known")
     devices = efa_devices(sysfs)
     if not devices:
         problems.append(f"no EFA device under {sysfs}: Neuron HBM moves only over EFA (trn2.3xlarge has none and "
-                        "cannot register FI_HMEM_NEURON); use trn2.48xlarge launched with all 16 EFA interfaces")
+                        "cannot register FI_HMEM_NEURON); use trn2.48xlarge or a Trn3 server launched with all its "
+                        "EFA interfaces (one per Trainium chip)")
     else:
         per_chip = cores_per_chip(env)
         missing = [c for c, rail in zip(cores, rank_rails(cores, devices, per_chip)) if rail is None]
+        want = f"{chips} EFA interfaces, one per chip" if chips else "one EFA interface per Trainium chip"
         if missing:
             problems.append(f"cores {missing} sit on chips without an EFA rail ({len(devices)} EFA devices, "
-                            f"{per_chip} logical cores per chip): launch trn2.48xlarge with all "
-                            f"{TRN2_EFA_PER_INSTANCE} EFA interfaces, one per Neuron device")
+                            f"{per_chip} logical cores per chip): launch the instance with all its EFA interfaces "
+                            f"({want}; trn2.48xlarge and a Trn3 Gen1 server have 16)")
     if same_host and env.get("FI_EFA_ENABLE_SHM_TRANSFER") != "0":
         problems.append("FI_EFA_ENABLE_SHM_TRANSFER is not 0: set it to 0 when prefill and decode share a host "
                         "(the shm transport is taken otherwise and gives wrong output)")
-    problems += env_and_library_problems(env, fabric_version)
+    problems += fabric_env_problems(env, fabric_version)
     return problems
 
 

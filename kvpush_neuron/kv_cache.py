@@ -1,9 +1,13 @@
 """The vLLM Neuron plugin's KV cache tensors described for kvpush (Neuron HBM as NIXL regions).
 
-vllm-neuron 0.2x keeps per layer one `(2, num_blocks, num_kv_heads, block_size, head_dim)` tensor
-(HND blocks; K plane, V plane), or the K and V caches as a pair of `(num_blocks, heads, block_size,
-head_dim)` tensors; both are read from shapes and strides.  Each K and V plane is its own NIXL
-registration, as vLLM registers Neuron KV.  Block ids: vLLM's null block 0 is the plugin's -1.
+vllm-neuron 0.2x allocates one int8 `torch.zeros(size)` per vLLM KVCacheTensor on the `neuron` device,
+views it as the KV dtype and `(2, num_blocks, num_kv_heads, block_size, head_dim)` (HND blocks; K plane,
+V plane) and hands that full tensor per layer to register_kv_caches (docs/neuron.md).  The K and V
+caches as a pair of `(num_blocks, heads, block_size, head_dim)` tensors are read as well; both from
+shapes and strides.  Each K and V plane is its own NIXL registration, as vLLM registers Neuron KV.
+Layers that share one buffer (a KVCacheTensor's `shared_by`) are one set of regions, registered and
+moved once, as vLLM's NIXL connector de-duplicates its base addresses; P and D, serving one model,
+de-duplicate alike.  Block ids: vLLM's (null block 0); the plugin's -1 lives only in its kernel tables.
 """
 
 from __future__ import annotations
@@ -27,15 +31,21 @@ class BlockIdError(ValueError):
 
 
 def strip_block_sentinels(block_ids, num_blocks: int) -> list[int]:
-    """Block ids fit for the core: trailing padding (0 or -1) dropped; a sentinel before a real block
-    (a hole, e.g. a sliding-window layer's skipped block) or an id out of range raises BlockIdError."""
+    """Block ids fit for the core: trailing padding (0 or -1) dropped; a leading run of -1 kept (the
+    producer's blocks a sliding window dropped, which kvpush's scheduler side marks so: the planner
+    refuses to read one); a null block or -1 anywhere else (a hole), or an id out of range, raises
+    BlockIdError."""
     ids = [int(b) for b in block_ids]
     while ids and ids[-1] in (NULL_BLOCK, PLUGIN_PAD):
         ids.pop()
-    for i, b in enumerate(ids):
+    lead = 0
+    while lead < len(ids) and ids[lead] == PLUGIN_PAD:
+        lead += 1
+    for i in range(lead, len(ids)):
+        b = ids[i]
         if b in (NULL_BLOCK, PLUGIN_PAD):
-            raise BlockIdError(f"block id {b} at index {i} is vLLM's null block (Neuron pad {PLUGIN_PAD}) before real "
-                               "blocks: its tokens have no KV to move")
+            raise BlockIdError(f"block id {b} at index {i} is vLLM's null block (or -1) between real blocks: its "
+                               "tokens have no KV to move")
         if not 0 < b < num_blocks:
             raise BlockIdError(f"block id {b} at index {i} out of range: must be in [1, {num_blocks})")
     return ids
@@ -74,20 +84,36 @@ def describe_neuron_caches(kv_caches: dict, runtime: NeuronRuntime, *, block_siz
     if s_blk < nh * bs * hd:
         raise LayoutError(f"blocks overlap (strides {k0.stride()})")
     e = k0.element_size()
-    regions, regs, addresses = [], [], []
     device = runtime.device_index(k0)
+    span = ((nb - 1) * s_blk + nh * bs * hd) * e
+    layers = []  # (layer name, (K address, V address))
     for name in names:
+        addrs = []
         for plane in _planes(name, kv_caches[name]):
             if (tuple(plane.shape), plane.stride(), plane.dtype) != (tuple(k0.shape), k0.stride(), k0.dtype):
-                raise LayoutError(f"KV tensor {name} differs from {names[0]} in shape, stride or dtype")
+                raise LayoutError(
+                    f"KV tensor {name} ({tuple(plane.shape)}, {plane.dtype}) differs from {names[0]} "
+                    f"({tuple(k0.shape)}, {k0.dtype}) in shape, stride or dtype: kvpush moves layers of one KV "
+                    "shape (an EAGLE drafter's layers of another shape cannot be served beside the target's)")
             if runtime.device_index(plane) != device:
                 raise LayoutError(f"KV tensor {name} is on another Neuron device than {names[0]}")
-            addr = runtime.data_ptr(plane)
-            addresses.append(addr)
+            addrs.append(runtime.data_ptr(plane))
+        layers.append((name, tuple(addrs)))
+    check_hbm_mapped(runtime, [a for _, pair in layers for a in pair])
+    regions, regs, kept = [], [], {}  # kept: (K, V) addresses -> the first layer holding them
+    for name, pair in layers:
+        if pair in kept:  # one buffer shared_by several layers: registered and moved once
+            continue
+        clash = next((other for held, other in kept.items() for a in pair for b in held if abs(a - b) < span), None)
+        if clash is not None:
+            raise LayoutError(f"KV tensors {clash} and {name} overlap in device memory without being the same "
+                              "buffer (layers of different KV cache groups laid over shared buffers): kvpush "
+                              "moves one KV cache group")
+        kept[pair] = name
+        for addr in pair:
             regions.append(Region(base=addr, block_stride=s_blk * e, mem_id=len(regs), device_id=device))
-            regs.append([addr, ((nb - 1) * s_blk + nh * bs * hd) * e, device])
-    check_hbm_mapped(runtime, addresses)
-    layout = KVLayout(num_layers=len(names), num_heads=nh, head_dim=hd, dtype_size=e,
+            regs.append([addr, span, device])
+    layout = KVLayout(num_layers=len(regions) // 2, num_heads=nh, head_dim=hd, dtype_size=e,
                       dtype=str(k0.dtype).removeprefix("torch."), block_size=bs, num_blocks=nb, order="HND",
                       regions=regions, mem_type=runtime.mem_type, head_offset=head_offset).validate()
     return layout, np.array(regs, dtype=np.uint64), device

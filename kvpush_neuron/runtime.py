@@ -1,13 +1,17 @@
-"""The device interface: every Neuron runtime / torch-neuronx call kvpush makes, behind one protocol.
+"""The device interface: every Neuron runtime call kvpush makes, behind one protocol.
 
-`RealNeuronRuntime` talks to the native `neuron` torch device (vllm-neuron 0.2x, SDK >= 2.31); it
-needs a Neuron host and imports torch_neuronx lazily.  `SimulatedNeuronRuntime` keeps "HBM" in host
-memory with the same shapes and strides and enforces the documented rules, so the backend's start-up
-checks and the conformance suite run on CPU.  Sources: /work/shared/notes/neuron.md §2, §3.
+`RealNeuronRuntime` works on torch's `neuron` device as the vLLM Neuron plugin's stack provides it:
+PyTorch's PrivateUse1 backend renamed `neuron` by `libtorch_neuronx_lite` (the plugin's dependency in
+Neuron SDK 2.32-2.34) or by the native `torch_neuronx` (TorchNeuron, >= 2.13, from SDK 2.33).  It
+imports neither when the device is already there (inside the plugin's worker it is); a KV tensor's
+address is its `data_ptr()`, as the plugin's own NIXL connector registers it.  `SimulatedNeuronRuntime`
+keeps "HBM" in host memory with the same shapes and strides and enforces the documented rules, so the
+backend's start-up checks and the conformance suite run on CPU.  Sources: docs/neuron.md.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from typing import Literal, MutableMapping, Protocol
@@ -21,7 +25,42 @@ MemKind = Literal["NEURON", "SYSTEM"]
 
 
 class NeuronUnavailableError(RuntimeError):
-    """The real Neuron runtime cannot be used in this process (no torch-neuronx / no Neuron device)."""
+    """The real Neuron runtime cannot be used in this process (torch has no `neuron` device here)."""
+
+
+# The packages that register torch's `neuron` device, in the order the plugin's stack ships them.
+# torch-neuronx 2.9 (PyTorch/XLA, SDK <= 2.31) registers no such device: its tensors have no HBM address.
+NEURON_DEVICE_PROVIDERS = ("libtorch_neuronx_lite", "torch_neuronx")
+
+
+def neuron_device_registered(torch) -> bool:
+    """torch's PrivateUse1 backend is the `neuron` device (what both providers register)."""
+    try:
+        return torch._C._get_privateuse1_backend_name() == "neuron"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def ensure_neuron_device(torch, importer=importlib.import_module) -> str:
+    """Which package registered torch's `neuron` device: "already" when it was there before kvpush looked
+    (the plugin imports its provider first), else the first provider whose import registers it."""
+    if neuron_device_registered(torch):
+        return "already"
+    tried = []
+    for module in NEURON_DEVICE_PROVIDERS:
+        try:
+            importer(module)
+        except ImportError as e:
+            tried.append(f"{module}: {e}")
+            continue
+        if neuron_device_registered(torch):
+            return module
+        tried.append(f"{module}: imported, but torch has no `neuron` device after it (not the native backend)")
+    raise NeuronUnavailableError(
+        "the Neuron runtime is not available here: torch has no `neuron` device (" + "; ".join(tried) + "). "
+        "kvpush_neuron runs inside the vLLM Neuron plugin's environment on a trn2/trn3 host, where "
+        "libtorch-neuronx-lite (Neuron SDK 2.32-2.34) or torch-neuronx >= 2.13 (TorchNeuron, SDK >= 2.33) "
+        "provides that device; on CPU use kvpush_common.vllm.connector.KVPushConnector")
 
 
 class NeuronRuntimeError(RuntimeError):
@@ -187,7 +226,7 @@ class SimulatedNeuronRuntime(_AgentOrder):
 
 
 class RealNeuronRuntime(_AgentOrder):
-    """The native `neuron` torch device of vllm-neuron 0.2x (torch-neuronx, libtorch_neuronx_lite).
+    """torch's `neuron` device as the vLLM Neuron plugin's stack provides it (see the module docstring).
 
     Only `neuron` device tensors are accepted: XLA-device tensors have no documented data_ptr and
     VLLM_NEURON_CPU_MODE tensors are host memory (use KVPushConnector for those).
@@ -195,23 +234,23 @@ class RealNeuronRuntime(_AgentOrder):
 
     mem_type = "VRAM"
 
-    def __init__(self, env: MutableMapping[str, str] | None = None):
+    def __init__(self, env: MutableMapping[str, str] | None = None, *, importer=importlib.import_module):
         super().__init__()
         self.env = os.environ if env is None else env
-        try:
-            import torch
-            import torch_neuronx  # noqa: F401  (registers the `neuron` device)
-        except ImportError as e:
-            raise NeuronUnavailableError(
-                f"the Neuron runtime is not available here ({e}): kvpush_neuron needs a Neuron host (trn2) with "
-                "torch-neuronx from https://pip.repos.neuron.amazonaws.com; on CPU use "
-                "kvpush_common.vllm.connector.KVPushConnector") from None
+        import torch
+
+        self.provider = ensure_neuron_device(torch, importer)
         self._torch = torch
 
     def init(self) -> None:
-        """What vllm-neuron's worker does before KV transfer starts (maps HBM for RDMA)."""
+        """What vllm-neuron's worker does before KV transfer starts (maps HBM for RDMA): the standalone
+        smoke check calls it; inside vLLM the worker has already, and `adopt` records that."""
         if not self.is_initialized():
-            self._torch.classes.neuron.Runtime().initialize()
+            runtime_cls = getattr(getattr(self._torch.classes, "neuron", None), "Runtime", None)
+            if runtime_cls is None:
+                raise NeuronUnavailableError(f"torch.classes.neuron.Runtime is missing (`neuron` device from "
+                                             f"{self.provider}): install the Neuron SDK's runtime stack")
+            runtime_cls().initialize()
             self._mark_initialized()
 
     def adopt(self, tensor) -> None:

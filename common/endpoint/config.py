@@ -35,28 +35,22 @@ class EndpointConfig:
     staging_bytes: int = 0
     staging_chunk_bytes: int = 64 << 20  # one gather / WRITE / scatter unit
     # stage when the direct plan would post at least this many descriptors: on H200/NVLink a direct WRITE
-    # pays ~4 us per non-contiguous descriptor and staging ~1.2 ms at 512 MiB (h200-fragmentation.md)
+    # pays ~4 us per non-contiguous descriptor and staging ~1.2 ms at 512 MiB (h200-fragmentation.json)
     staging_min_descs: int = 320
     staging_partitions: int = 4  # a consumer lends each producer rank 1/N of its pool (N producer ranks at most)
     poll_s: float = 0.001  # worker poll period while work is outstanding
     # the producer's period while one of its WRITEs is on the wire: NIXL completes it, and sends the consumer
     # its notification, only from our progress calls, so this bounds what completion waits for after the bytes
     # landed (H200, 128 MiB over cuda_ipc: a 0.08 ms copy seen done 0.43 ms after the post at 0.2 ms, 0.11 ms
-    # at 0.05 ms, h200-handoff-plan.md).  Short-lived (a WRITE lasts 0.1-80 ms), so it can be short.
+    # at 0.05 ms, h200-handoff-plan.json).  Short-lived (a WRITE lasts 0.1-80 ms), so it can be short.
     write_poll_s: float = 0.00005
-    # the consumer's period while any key waits for its bytes (the whole prefill: wire_poll_s = poll_s
-    # restores 1 ms there, for a GIL-bound eager engine, h200-gil-wake.md)
-    wire_poll_s: float = 0.0002
-    # push: WRITE each layer's KV into registered consumer ranks while the prefill still runs (the engine
-    # calls `layers_ready`); the whole-request push then sends only what is left, with WriteDone
-    stream_layers: bool = False
-    # ... and wake the worker for every k-th layer and the last one only: each wake lets the worker take the
-    # GIL from a launch-bound engine thread (h200-hook-gil.md); the layers between wait for the next wake or
-    # poll_s.  1: every layer.
-    stream_wake_every: int = 1
+    # the consumer's poll while any key waits for its bytes (the whole prefill) when the engine does not step:
+    # each engine step wakes the worker then (`engine_step`), so WriteDone is seen once per step, as vLLM's own
+    # decode sees its notifications, not by a 0.2 ms poll waking the worker (and its GIL) ~35 times a decode step
+    wire_poll_s: float = 0.01
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
     # the worker thread's timer slack (Linux): how late the kernel may end its timed waits.  Its default, 50 us,
-    # made a 0.05 ms poll sleep 0.14 ms (timer-slack-cpu.json, h200-handoff-slack.md); 0 leaves the kernel's default
+    # made a 0.05 ms poll sleep 0.14 ms (timer-slack-cpu.json, h200-handoff-slack-*.json); 0 leaves the kernel's default
     timer_slack_s: float = 1e-6
 
     @property
@@ -83,8 +77,6 @@ class EndpointConfig:
                 raise ValueError(f"{name} must be positive")
         if not 0 <= self.timer_slack_s <= 0.01:
             raise ValueError("timer_slack_s must be in [0, 0.01] (0: the kernel's default)")
-        if self.stream_wake_every < 1:
-            raise ValueError("stream_wake_every must be at least 1")
         if self.peer_idle_s <= max(self.lease_s, self.reg_ttl_s) + self.write_timeout_s:
             raise ValueError("peer_idle_s must exceed max(lease_s, reg_ttl_s) + write_timeout_s: a silent peer's "
                              "registrations and leases must have ended before it is forgotten")

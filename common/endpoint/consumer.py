@@ -21,7 +21,9 @@ import numpy as np
 from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
 from kvpush_common.endpoint.handshake import HandshakeError, handshake_codec, request_hello
-from kvpush_common.endpoint.inbox import Decline, Expect, HandshakeDone, HandshakeFailed, LocalAbort, block_ids_as_ints
+from kvpush_common.endpoint.moves import AddressMoves
+from kvpush_common.endpoint.inbox import (Decline, Expect, HandshakeDone, HandshakeFailed, HandshakeMoved, LocalAbort,
+                                          block_ids_as_ints)
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.plan.write import plan_write
@@ -46,7 +48,7 @@ class _Read:
     deadline: float
 
 
-class ConsumerEndpoint(Endpoint):
+class ConsumerEndpoint(AddressMoves, Endpoint):
     role = "consumer"
 
     def __init__(self, *args, **kwargs):
@@ -69,14 +71,17 @@ class ConsumerEndpoint(Endpoint):
         # every ChunkWritten acted on, most recent last (bounded): a repeat is dropped, never scattered or freed
         # again, since by then its slot may hold another chunk
         self._chunks_seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._waiting = False  # a key waits for bytes (the worker's last step said): the engine's step wakes it
+        self._moved = collections.OrderedDict()  # moves.AddressMoves: (old engine, host, port) -> who is there now
 
     # ---- engine-facing ---------------------------------------------------------------------------
     def expect(self, transfer_id: str, attempt: int, producer: ProducerIdentity, block_ids, num_tokens: int,
-               first_token: int = 0) -> None:
-        """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached."""
+               first_token: int = 0, follow_address: bool = False) -> None:
+        """Blocks are allocated: register them.  `first_token` > 0 when a local prefix is cached;
+        `follow_address`: the leg came in vLLM's NIXL contract (see `_on_moved`)."""
         # tuple() only (no copy of a tuple): the worker converts the ids (`block_ids_as_ints`), off the step
         self._enqueue(Expect(TransferKey(transfer_id, attempt), producer, tuple(block_ids), int(num_tokens),
-                             int(first_token)))
+                             int(first_token), bool(follow_address)))
 
     def decline(self, transfer_id: str, attempt: int, producer: ProducerIdentity, reason: str = "") -> None:
         """This attempt needs no bytes (nothing was registered for it): its producer ranks release the KV once
@@ -111,19 +116,25 @@ class ConsumerEndpoint(Endpoint):
         if now >= self._next_heartbeat:
             self._heartbeat()
             self._next_heartbeat = now + self.cfg.heartbeat_s
-        busy = {(e.producer.engine_id, r) for e in self._expects.values() for r in range(e.producer.tp_size)}
-        self._evict_idle(now, busy | set(self._connecting) | {r.producer for r in self._reads})
-        return len(self.completion) > 0 or bool(self._reads)
+        if now >= self._next_evict:  # the peers live work refers to, only when an eviction pass is due
+            busy = {(e.producer.engine_id, r) for e in self._expects.values() for r in range(e.producer.tp_size)}
+            self._evict_idle(now, busy | set(self._connecting) | {r.producer for r in self._reads})
+        self._waiting = len(self.completion) > 0 or bool(self._reads)
+        return self._waiting
 
     def _poll_period(self, busy: bool) -> float:
-        """While a key waits for bytes, a WriteDone may come any moment: poll at `wire_poll_s`, as the
-        producer does while its WRITE is on the wire.  At `poll_s` (1 ms) the notice alone cost 0.3-0.9 ms;
-        on the H200 in real vLLM 0.2 ms cut the exposed time of a streamed push from 1.2-1.6 to 0.9-1.0 ms
-        and moved neither D's inter-token latency nor P's prefill time (compiled, docs/benchmarks/h200-decode-hook.md;
-        one eager run, unresolved: docs/benchmarks/h200-gil-wake.md)."""
+        """While a key waits for bytes its WriteDone is fetched once per engine step (`engine_step` wakes the
+        worker), as vLLM's own decode does; `wire_poll_s` bounds the wait when the engine does not step.  A 0.2 ms
+        poll instead woke the worker, and took its GIL, some 35 times per decode step beside the engine thread."""
         if busy:
-            return min(self.cfg.wire_poll_s, self.cfg.poll_s)
+            return self.cfg.wire_poll_s
         return super()._poll_period(busy)
+
+    def engine_step(self) -> None:
+        """Engine thread, once per step (start_load_kv): while a key waits for its bytes, wake the worker to fetch
+        the notifications that came since the last step.  One flag read, and one event set only then."""
+        if self._waiting:
+            self._wake.set()
 
     def _on_item(self, item, now: float) -> list:
         if isinstance(item, Expect):
@@ -136,6 +147,8 @@ class ConsumerEndpoint(Endpoint):
             return self._on_peer_ok(item.producer, item.hello, now, item.addr)
         if isinstance(item, HandshakeFailed):
             return self._on_peer_fail(item.producer, item.reason, now)
+        if isinstance(item, HandshakeMoved):
+            return self._on_moved(item, now)
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float) -> list:
@@ -243,6 +256,7 @@ class ConsumerEndpoint(Endpoint):
         if e.key in self.completion:
             log.warning("ignoring a second expect() for live key %s", e.key)
             return []
+        e = self._followed(e)
         try:
             e = replace(e, block_ids=block_ids_as_ints(e.block_ids))
         except (TypeError, ValueError) as err:
@@ -304,7 +318,7 @@ class ConsumerEndpoint(Endpoint):
             hello = request_hello(ref.host, ref.port + rank, self.local_hello(self._lend_partition(prod)),
                                   self._hello_codec, self.cfg.handshake_timeout_s)
             reason = self.check_peer_hello(hello, "producer")
-            if reason is None and (hello.engine_id, hello.rank, hello.tp_size) != (ref.engine_id, rank, ref.tp_size):
+            if reason is None and (hello.rank, hello.tp_size) != (rank, ref.tp_size):
                 reason = (f"expected producer {ref.engine_id} rank {rank} of TP {ref.tp_size}, found "
                           f"{hello.engine_id} rank {hello.rank} of TP {hello.tp_size}")
             if reason is None and hello.write_timeout_ms > self.cfg.write_timeout_s * 1000:
@@ -312,6 +326,11 @@ class ConsumerEndpoint(Endpoint):
                 reason = (f"producer write_timeout_s {hello.write_timeout_ms / 1000:g} exceeds this consumer's "
                           f"{self.cfg.write_timeout_s:g}: raise the consumer's write_timeout_s")
             addr = (ref.host, ref.port + rank)
+            if reason is None and hello.engine_id != ref.engine_id:
+                self._enqueue(HandshakeMoved(prod, hello, addr, f"expected producer {ref.engine_id} rank {rank} of "
+                                                                f"TP {ref.tp_size}, found {hello.engine_id} rank "
+                                                                f"{hello.rank} of TP {hello.tp_size}"))
+                return
             self._enqueue(HandshakeFailed(prod, reason) if reason else HandshakeDone(prod, hello, addr))
         except HandshakeError as err:
             self._enqueue(HandshakeFailed(prod, str(err)))
@@ -340,6 +359,7 @@ class ConsumerEndpoint(Endpoint):
             except TransportError as err:
                 return out + self._on_peer_fail(prod, f"could not load producer agent: {err}", now)
         if addr is not None:
+            out += self._retire_replaced(prod, addr, now)
             self._addr[prod] = addr
         for e in self._connecting.pop(prod, []):
             if isinstance(e, Decline):
@@ -368,6 +388,7 @@ class ConsumerEndpoint(Endpoint):
             self.event("registered", e.key, producer_rank=peer.rank, first_token=e.first_token, blocks=len(e.block_ids))
             return []
         if retry:  # the peer may have restarted (its old agent is unreachable): handshake again, then register
+            self.completion.on_unsent(e.key, prod)
             self._suspect.add(prod)
             self._connect(e, prod)
             return []

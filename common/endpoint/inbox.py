@@ -17,7 +17,7 @@ ProducerRank = tuple[str, int]  # (producer engine id, rank)
 def block_ids_as_ints(block_ids) -> tuple[int, ...]:
     """The worker thread's copy of block ids the engine thread handed over as they were (`tuple()` only):
     on the H200 host the decode's receive hand-over took 48-67 us with the conversion, 41-49 us without it
-    (an event record of 15-20 us included; docs/benchmarks/h200-decode-hook.md).
+    (an event record of 15-20 us included; docs/benchmarks/README.md#decode-hook-vllm).
     Raises TypeError for ids that are not integers (1.5 -> 1 would address another block).  One pass with
     `operator.index` (11 us for 1,024 ids here, 54 us with `int` and a compare): a push waits for it."""
     return tuple(map(operator.index, block_ids))
@@ -31,17 +31,6 @@ class KVReady:
     ready: ReadyKV
     consumer_tp: int | None = None  # known: a rank that no consumer rank reads from releases at once
     enqueued_at: float | None = None  # the endpoint's clock on the engine thread: the wake-up stage starts here
-
-
-@dataclass(frozen=True)
-class LayersReady:
-    """Producer, engine thread (layer streaming): layers [first, end) of each request hold tokens [0, n) in
-    its blocks once `fence` passes; `chunks` holds (key, block_ids, n) per request of the step."""
-
-    chunks: tuple[tuple[TransferKey, tuple[int, ...], int], ...]
-    first: int
-    end: int
-    fence: object = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +51,9 @@ class Expect:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    # vLLM's NIXL contract names the producer by its side channel (the engine id is what a proxy learned last):
+    # when that address answers as another engine, this request follows it (ConsumerEndpoint._on_moved)
+    follow_address: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +80,17 @@ class HandshakeDone:
     producer: ProducerRank
     hello: Hello
     addr: tuple[str, int]  # the side channel it answered on
+
+
+@dataclass(frozen=True)
+class HandshakeMoved:
+    """Consumer, handshake pool: a producer rank's side channel answered, passed every check, but as another
+    engine than the request named (the producer restarted there with a new engine id)."""
+
+    producer: ProducerRank  # the one the request named
+    hello: Hello  # who answers there now
+    addr: tuple[str, int]
+    reason: str  # why a request that must not follow the address fails
 
 
 @dataclass(frozen=True)

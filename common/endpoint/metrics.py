@@ -20,10 +20,6 @@ class EndpointStats:
         self.staging_exhausted = counter("staging_exhausted", "pushes sent direct because no staging slot was free")
         self.slots_reclaimed = counter("staging_slots_reclaimed",
                                        "staging slots taken back because their SlotFree never came (lost notification)")
-        self.layer_batches = counter("layer_batches", "layer streaming: batches of layer WRITEs posted before the "
-                                     "whole KV was ready")
-        self.layer_batches_failed = counter("layer_batches_failed", "layer streaming: batches that did not land "
-                                            "(the whole push then sends every layer)")
         self.writes_done = counter("writes_done", "WRITEs that completed")
         self.writes_failed = counter("writes_failed", "WRITEs refused, failed or timed out", ("code",))
         self.bytes_written = counter("bytes_written", "payload bytes moved by completed WRITEs")
@@ -31,6 +27,12 @@ class EndpointStats:
         self.failed_notifs = counter("failed_notifications", "control messages that could not be sent")
         self.rejected_msgs = counter("rejected_messages", "incoming messages refused", ("reason",))
         self.worker_errors = counter("worker_errors", "unexpected exceptions in the worker loop")
+        # the worker thread's share of the process: every step it takes, and its CPU time (thread clock), of which
+        # the part inside NIXL calls (which release the GIL); the rest held the GIL the engine thread needs
+        self.worker_steps = counter("worker_steps", "worker thread steps (each wake-up: a poll or an engine hand-over)")
+        self.worker_cpu = counter("worker_cpu_seconds", "worker thread CPU time (thread clock), NIXL calls included")
+        self.worker_nixl_cpu = counter("worker_nixl_cpu_seconds", "worker thread CPU time inside NIXL calls (the "
+                                       "GIL released there)")
         self.peers_evicted = counter("peers_evicted", "peers forgotten: idle, unreachable, or replaced by a restart")
         self.stale_batches = counter("stalled_steps", "worker steps after a stall longer than fence_grace_s")
         self.received_ok = counter("requests_received", "consumer requests whose KV became usable")

@@ -12,22 +12,19 @@ WriteFailed whenever a destination will not be (fully) written.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 
 import numpy as np
 
 from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, descs_per_run, unit_table
-from kvpush_common.plan.layers import layer_slice
 from kvpush_common.plan.write import plan_write
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
-from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LayersReady, LocalAbort, block_ids_as_ints
-from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, LayerBatch, ReadPin, StagedPush, Transfer
+from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort, block_ids_as_ints
+from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, StagedPush, Transfer
 from kvpush_common.protocol.identity import TransferKey
-from kvpush_common.plan.planner import PlanError, TransferPlan, plan_transfer
+from kvpush_common.plan.planner import PlanError, plan_transfer
 from kvpush_common.plan.staging import LentSlots, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
-from kvpush_common.state.layer_stream import LayerChunk, LayerStream
 from kvpush_common.state.rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
 from kvpush_common.protocol.topology import routes_from
 from kvpush_common.transport.nixl import TransportError
@@ -55,10 +52,6 @@ class ProducerEndpoint(Endpoint):
         self._reg_from: dict[tuple[TransferKey, Dest], str] = {}  # registration -> incarnation that sent it
         self._last_fetch: float | None = None
         self._next_prune = 0.0
-        self._streams: dict[TransferKey, LayerStream] = {}  # layer streaming: requests still being prefilled
-        self._layer_chunks: tuple = (None, ())  # the last LayersReady chunks as handed over, and with int ids
-        self._batches: list[LayerBatch] = []  # layer-streamed WRITE batches in flight
-        self._deferred: list = []  # results for a destination held until its layer batch in flight ends
         self._routes_by_tp: dict[int, tuple] = {}  # consumer TP size -> the routes this rank writes (`_routes`)
 
     # ---- engine-facing ---------------------------------------------------------------------------
@@ -76,21 +69,6 @@ class ProducerEndpoint(Endpoint):
 
     def abort(self, transfer_id: str, attempt: int, reason: str = "") -> None:
         self._enqueue(LocalAbort(TransferKey(transfer_id, attempt), reason))
-
-    @staticmethod
-    def layer_chunks(requests) -> tuple:
-        """Once per step: (transfer_id, attempt, block_ids, num_tokens) of each request being prefilled, in the
-        form `layers_ready` hands over as it is, layer after layer."""
-        return tuple((TransferKey(t, a), tuple(b), int(n)) for t, a, b, n in requests)  # ids: see _on_layers
-
-    def layers_ready(self, chunks: tuple, first_layer: int, end_layer: int) -> None:
-        """Layer streaming, engine thread, once per layer range of a step: layers [first_layer, end_layer)
-        of each request in `chunks` (from `layer_chunks`) now hold tokens [0, num_tokens): one device fence
-        and one queue put, nothing else."""
-        if self.cfg.stream_layers and chunks:
-            every = self.cfg.stream_wake_every
-            wake = every == 1 or end_layer % every == 0 or end_layer >= self.layout.num_layers
-            self._enqueue(LayersReady(chunks, first_layer, end_layer, self.backend.mark_kv_written()), wake)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -172,7 +150,6 @@ class ProducerEndpoint(Endpoint):
             actions += self._guard(self.rendezvous.tick, now)
         finally:
             self._run(actions, now)
-        self._stream_out(now)
         self._poll_inflight()
         if now >= self._next_prune:  # forget the sender of registrations whose entry has ended
             self._next_prune = now + 1.0
@@ -181,11 +158,14 @@ class ProducerEndpoint(Endpoint):
                     self.stats.slots_reclaimed.inc(n)
                     log.warning("took back %d staging slots of %s whose SlotFree never came", n, dest)
             self._reg_from = {k: v for k, v in self._reg_from.items() if self.rendezvous.entry_state(k[0]) is not None}
-        self._evict_idle(now, {i.dest for i in self._inflight} | {b.dest for b in self._batches})
-        return bool(self._inflight or self._batches or self._deferred) or self.rendezvous.has_unmatched()
+        if now >= self._next_evict:
+            self._evict_idle(now, {i.dest for i in self._inflight})
+        # registrations waiting for their KV need no poll: the engine's kv_ready wakes the worker.  Ready KV
+        # waiting for a registration (it comes as a notification), or work in flight, does.
+        return bool(self._inflight) or self.rendezvous.has_ready()
 
     def _poll_period(self, busy: bool) -> float:
-        if self._batches or any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
+        if any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
             return min(self.cfg.write_poll_s, self.cfg.poll_s)  # on the wire: see it complete soon
         return super()._poll_period(busy)
 
@@ -218,8 +198,6 @@ class ProducerEndpoint(Endpoint):
                 return self.rendezvous.on_unusable_ready(item.key, f"bad block ids: {e}", now)
             self._ready_at[item.key] = item.enqueued_at if item.enqueued_at is not None else now  # handoff from here
             return self.rendezvous.on_ready(item.key, ready, now)
-        elif isinstance(item, LayersReady):
-            self._on_layers(item, now)
         elif isinstance(item, LocalAbort):
             return self.rendezvous.on_local_abort(item.key, item.reason, now)
         return []
@@ -260,9 +238,6 @@ class ProducerEndpoint(Endpoint):
             actions += self._guard(self._run_one, actions.pop(0), now)
 
     def _run_one(self, a, now: float) -> list:
-        if self._held_for_batch(a):
-            self._deferred.append(a)  # a layer batch into that rank is in flight: say so once it ends
-            return []
         if isinstance(a, StartWrite):
             try:
                 return self._start_write(a, now)
@@ -322,9 +297,6 @@ class ProducerEndpoint(Endpoint):
             return self._fail_write(a, "fence_timeout", "device never finished writing the KV", now)
         if not self.backend.kv_written(a.ready.fence):
             return []
-        stream = self._streams.get(a.key)
-        if stream is not None and stream.busy(a.dest):
-            return []  # a layer batch into this rank is in flight: WriteDone must follow its bytes
         self._inflight.remove(item)
         t_post = self.clock()
         fence_s = max(0.0, t_post - item.posted_at)  # posted_at of an AwaitingFence: when the write started
@@ -343,28 +315,13 @@ class ProducerEndpoint(Endpoint):
             self.stats.writes_posted.inc()
             self.stats.writes_staged.inc()
             return self._advance_staged(push, now)
-        spans = None  # layer streaming landed some of it: the rest, as one WRITE
-        if stream is not None and stream.streamed(a.dest):
-            stream.complete(a.ready.num_tokens, a.ready.block_ids)
-            spans = stream.spans_for(a.dest, a.reg.first_token, a.reg.num_tokens, self._align(peer))
-            if not spans:  # every layer landed already: WriteDone alone (the bytes are there)
-                self.event("posted", a.key, consumer_rank=peer.rank, nbytes=0, descs=0, from_token=a.ready.num_tokens)
-                sent = self._send(peer, self._done_msg(a.key, 0, 0))
-                if sent:  # a push like any other on the dashboards (its bytes were counted by its batches)
-                    self.stats.writes_posted.inc()
-                    self.stats.writes_done.inc()
-                return self.rendezvous.on_write_result(a.key, a.dest, sent, now)
-        prepped = self._remote_prepped.get(a.dest) if spans is None else None
+        prepped = self._remote_prepped.get(a.dest)
         try:
-            if spans is None:
-                plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
-                                  num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
-                                  prepped=prepped is not None)
-            else:
-                plan = self._plan_spans(peer, route, a.reg, spans)
+            plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
+                              num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
+                              prepped=prepped is not None)
         except PlanError as e:
             return self._fail_write(a, "bad_registration", str(e), now)
-        first = a.reg.first_token if spans is None else min(x.from_token for x in spans)
         notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
         t_planned = self.clock()
         try:
@@ -381,7 +338,8 @@ class ProducerEndpoint(Endpoint):
         stages = {"fence": fence_s, "plan": t_planned - t_post, "post": t_posted - t_planned}
         for stage, seconds in stages.items():
             self.stats.stage_seconds.labels(stage=stage).observe(seconds)
-        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs, from_token=first,
+        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs,
+                   from_token=a.reg.first_token,
                    **{f"{stage}_ms": round(seconds * 1e3, 3) for stage, seconds in stages.items()})
         self.stats.writes_posted.inc()
         if isinstance(plan, BlockPlan):
@@ -389,120 +347,6 @@ class ProducerEndpoint(Endpoint):
         self.stats.descs_posted.inc(plan.num_descs)
         self.stats.post_seconds.observe(self.clock() - t_post)
         return []
-
-    # ---- layer streaming (design 3.2) ----------------------------------------------------------------
-    def _on_layers(self, item: LayersReady, now: float) -> None:
-        if self.cfg.mode != "push":
-            return
-        # every layer of a step shares one chunks tuple: convert its ids once per step, here, off the engine
-        if item.chunks is not self._layer_chunks[0]:
-            try:
-                self._layer_chunks = (item.chunks, tuple((k, block_ids_as_ints(b), n) for k, b, n in item.chunks))
-            except (TypeError, ValueError) as e:
-                log.warning("layer streaming: bad block ids: %s", e)
-                return
-        for key, block_ids, num_tokens in self._layer_chunks[1]:
-            stream = self._streams.get(key)
-            if stream is None:
-                if self.rendezvous.floor.refusal(key) or len(self._streams) >= self.rendezvous.max_entries:
-                    continue  # ended already (or too many open streams: the whole push still sends it)
-                stream = self._streams[key] = LayerStream(self.layout.num_layers, now)
-            try:
-                stream.add(LayerChunk(item.first, item.end, block_ids, num_tokens, item.fence))
-            except ValueError as e:
-                log.warning("layer streaming of %s: %s", key, e)
-
-    def _plan_spans(self, peer: Peer, route, reg: Register, spans) -> TransferPlan:
-        """One descriptor list for layer spans (each planned on its layer slice of both layouts)."""
-        plans = []
-        for span in spans:
-            src = layer_slice(self.layout, span.first, span.end)
-            dst = layer_slice(peer.layout, span.first, span.end)
-            plans.append(plan_write(src, dst, route, span.block_ids,
-                                    reg.block_ids[(span.from_token - reg.first_token) // peer.layout.block_size:],
-                                    num_tokens=span.num_tokens, dst_first_token=span.from_token))
-        if len(plans) == 1:
-            return plans[0]
-        return TransferPlan(np.concatenate([p.src for p in plans]), np.concatenate([p.dst for p in plans]),
-                            sum(p.nbytes for p in plans))
-
-    def _align(self, peer: Peer) -> int:
-        return math.lcm(self.layout.block_size, peer.layout.block_size)
-
-    def _stream_out(self, now: float) -> None:
-        """Post the next layer batch into every registered rank that has none in flight; forget streams
-        whose request ended (once nothing of theirs is in flight)."""
-        for key, stream in list(self._streams.items()):
-            ended = self.rendezvous.entry_state(key) is None and (
-                self.rendezvous.floor.refusal(key) is not None or now - stream.started > self.cfg.lease_s)
-            if ended or stream.closed:
-                stream.closed = True
-                if not stream.busy():
-                    del self._streams[key]
-                continue
-            stream.settle(self.backend.kv_written)
-            for dest, reg in self.rendezvous.registered(key).items():
-                peer = self._peers.get(dest)
-                if peer is None or self._reg_from.get((key, dest), peer.incarnation) != peer.incarnation:
-                    continue
-                if dest in self._peer_slots and self.staging is not None:
-                    continue  # a staged push scatters whole chunks: it takes no streamed layers
-                spans = stream.spans_for(dest, reg.first_token, reg.num_tokens, self._align(peer))
-                if spans:
-                    self._post_batch(key, stream, peer, reg, spans, now)
-
-    def _post_batch(self, key: TransferKey, stream: LayerStream, peer: Peer, reg: Register, spans, now: float) -> None:
-        dest = (peer.engine_id, peer.rank)
-        handle, nbytes, error, t0 = None, 0, None, self.clock()
-        try:
-            plan = self._plan_spans(peer, self._route_to(peer), reg, spans)
-            handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
-                                         peer.layout.mem_type, b"")
-            nbytes = plan.nbytes
-        except (PlanError, TransportError) as e:
-            error = f"layers [{spans[0].first}, {spans[-1].end}): {e}"
-        except Exception as e:  # a bug here must cost only this stream, never the worker step
-            log.exception("layer batch %s -> %s", key, peer.agent)
-            self.stats.worker_errors.inc()
-            error = f"internal error: {e!r}"
-        stream.posted(dest, spans)
-        self._batches.append(LayerBatch(key, dest, handle, now + self.cfg.write_timeout_s, nbytes, error))
-        self.stats.layer_batches.inc()
-        self.event("layers_posted", key, consumer_rank=peer.rank, nbytes=nbytes, spans=len(spans),
-                   post_ms=round((self.clock() - t0) * 1e3, 3),
-                   layers=[spans[0].first, spans[-1].end], tokens=[min(s.from_token for s in spans),
-                                                                   max(s.num_tokens for s in spans)])
-        if error:
-            log.warning("layer streaming of %s into %s stopped: %s", key, peer.agent, error)
-
-    def _poll_batches(self, now: float) -> None:
-        for batch in list(self._batches):
-            if batch.handle is not None:
-                state = self._settle(batch.handle, now, batch.deadline)
-                if state is None:
-                    continue  # on the wire
-                if state != "DONE":
-                    batch.error = f"a layer WRITE ended in {state}"
-            self._batches.remove(batch)
-            stream = self._streams.get(batch.key)
-            if stream is not None:
-                stream.ended(batch.dest, batch.error is None)
-            if batch.error is None:
-                self.stats.bytes_written.inc(batch.nbytes)
-            else:
-                self.stats.layer_batches_failed.inc()
-            self.event("layers_" + ("done" if batch.error is None else "failed"), batch.key,
-                       consumer_rank=batch.dest[1], error=batch.error or "")
-
-    def _held_for_batch(self, a) -> bool:
-        """A result that lets a consumer free its blocks (SendFailed, SendRevokeAck), or the producer's
-        (Release), waits while a layer batch for the key (into that rank) is in flight."""
-        if not isinstance(a, (SendFailed, SendRevokeAck, Release)):
-            return False
-        stream = self._streams.get(a.key)
-        if stream is None:
-            return False
-        return stream.busy() if isinstance(a, Release) else stream.busy(a.dest)
 
     def _same_incarnation(self, a: StartWrite, peer: Peer) -> bool:
         """Block ids in a registration name memory of the process that sent it, never of its successor."""
@@ -653,8 +497,7 @@ class ProducerEndpoint(Endpoint):
 
     def _poll_inflight(self) -> None:
         now = self.clock()
-        self._poll_batches(now)
-        actions, self._deferred = self._deferred, []  # held results whose batch ended go out now
+        actions: list = []
         for item in list(self._inflight):
             actions += self._polls[type(item)](item, now)
         self._run(actions, now)

@@ -54,17 +54,3 @@ class StagedPush(Transfer):
 @dataclass
 class ReadPin(Transfer):
     """Pull: a ReadGrant went out; the source blocks stay pinned until ReadResult or the deadline."""
-
-
-@dataclass
-class LayerBatch:
-    """Layer streaming: the one WRITE (no notification) of a batch of layers into one consumer rank; its
-    request's WriteDone, and any result that lets either side free blocks, waits until it ended.  No handle:
-    the batch could not be posted (`error` says why)."""
-
-    key: TransferKey
-    dest: Dest
-    handle: object
-    deadline: float
-    nbytes: int
-    error: str | None = None

@@ -7,6 +7,8 @@ import logging
 import sys
 
 from kvpush_common.router import app as router
+from kvpush_common.router.config import MODES, RouterConfig, StartupError
+from kvpush_common.router.policy import POLICIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +26,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                        description=router.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mode", choices=router.MODES, default="push")
+    p.add_argument("--mode", choices=MODES, default="push")
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="prefill instance; repeat for several")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="decode instance; repeat for several (single mode uses the first)")
@@ -38,7 +40,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--health-interval", type=float, default=5.0, metavar="S",
                    help="how often upstream /health is polled (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    p.add_argument("--policy", choices=router.POLICIES, default="kv-aware",
+    p.add_argument("--policy", choices=POLICIES, default="kv-aware",
                    help="how prefill and decode instances are chosen: kv-aware (the least to compute given what "
                         "each probably caches, against its load) or round-robin (default: %(default)s)")
     p.add_argument("--skip-prefill-max-tokens", type=int, default=0, metavar="N",
@@ -54,7 +56,7 @@ def _run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from aiohttp import web
 
     try:
-        config = router.RouterConfig(
+        config = RouterConfig(
             mode=args.mode, prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
             retries=args.retries, request_timeout_s=args.request_timeout, prefill_timeout_s=args.prefill_timeout,
             startup_timeout_s=args.startup_timeout, health_interval_s=args.health_interval,
@@ -68,7 +70,7 @@ def _run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         web.run_app(router.build_app(config), host=args.host, port=args.port, handler_cancellation=True,
                     access_log=None,
                     print=lambda _: log.info("router (mode %s) on http://%s:%d", args.mode, args.host, args.port))
-    except router.StartupError as e:
+    except StartupError as e:
         log.error("router start-up failed: %s", e)
         return 1
     return 0

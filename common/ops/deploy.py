@@ -231,9 +231,33 @@ def server_plan(args, *, target: str, connector: str, module: str, env: dict[str
     env = dict(env)
     if args.event_dir:
         env["KVPUSH_EVENT_DIR"] = args.event_dir
+    if unsigned_across_hosts(cfg):
+        notes = [*notes, SECRET_NOTE]
     return LaunchPlan(target=target, role=args.role, name=f"{args.role}{args.index}", argv=argv, env=env,
                       prepend=dict(prepend or {}), unset=list(unset), url=f"http://{host}:{port}", devices=devices,
                       extra=cfg, notes=list(notes))
+
+
+SECRET_NOTE = ("other hosts reach this side channel: kvpush refuses to start without a secret; export KVPUSH_SECRET, the "
+               "same on every prefill and decode host (e.g. once: openssl rand -hex 32), or pass --extra-config "
+               "'{\"secret\": ...}' (or allow_unauthenticated: true on a trusted network)")
+
+
+def unsigned_across_hosts(extra: Mapping) -> bool:
+    """The plan's side channel is reachable from other hosts and its config itself names no secret (the server may
+    still get one from KVPUSH_SECRET) nor allows running without one."""
+    host = str(extra.get("host", "127.0.0.1"))
+    loopback = host == "localhost" or host.startswith("127.") or host in ("::1", "[::1]")
+    return not (loopback or extra.get("secret") or extra.get("allow_unauthenticated"))
+
+
+def check_secret(env: Mapping[str, str], plan: dict | None) -> Check:
+    """A plan whose side channel other hosts reach needs a secret: in the plan or KVPUSH_SECRET in this environment
+    (the connector refuses to start otherwise)."""
+    extra = dict((plan or {}).get("extra") or {})
+    if plan is None or not unsigned_across_hosts(extra) or env.get("KVPUSH_SECRET"):
+        return Check("secret", True, "loopback side channel, or a secret is set" if plan else "no plan given")
+    return Check("secret", False, f"side channel {extra.get('host')} without a secret", (SECRET_NOTE,))
 
 
 def router_plan(args, target: str) -> LaunchPlan:

@@ -87,6 +87,16 @@ class Completion:
         self._pending[key] = _Pending(expected=expected, deadline=now + self.transfer_timeout_s)
         return []
 
+    def repoint(self, key: TransferKey, expected: frozenset[Producer]) -> bool:
+        """Wait for `expected` instead of the producers `key` named (their address answers as another engine
+        now).  Only while nothing was registered for the key -- no byte can come from the producers it waited
+        for -- and it is not failing; False otherwise (the key is left as it was)."""
+        p = self._pending.get(key)
+        if p is None or p.failure is not None or p.registered or not expected:
+            return False
+        p.expected, p.done, p.quiet = frozenset(expected), set(), set()
+        return True
+
     def keys_registered_with(self, producer: Producer) -> set[TransferKey]:
         """Keys that registered with this producer rank and have not heard its last word yet."""
         return {key for key, p in self._pending.items() if producer in p.in_doubt()}
@@ -101,6 +111,12 @@ class Completion:
         p = self._pending.get(key)
         if p is not None:
             p.registered.add(producer)
+
+    def on_unsent(self, key: TransferKey, producer: Producer) -> None:
+        """The registration's send raised: it never left, so no WRITE can come from it (it is sent again)."""
+        p = self._pending.get(key)
+        if p is not None:
+            p.registered.discard(producer)
 
     def on_done(self, key: TransferKey, producer: Producer, now: float) -> list[Received | SendRevoke]:
         p = self._pending.get(key)

@@ -114,6 +114,10 @@ class Rendezvous:
     def has_unmatched(self) -> bool:
         return any(e.pending or e.ready for e in self._entries.values())
 
+    def has_ready(self) -> bool:
+        """Some key's KV is ready (waiting for a registration, or being written)."""
+        return any(e.ready is not None for e in self._entries.values())
+
     def entry_state(self, key: TransferKey) -> dict | None:
         e = self._entries.get(key)
         if e is None:
@@ -124,14 +128,6 @@ class Rendezvous:
             "writing": sorted(e.writing),
             "finished": dict(e.finished),
         }
-
-    def registered(self, key: TransferKey) -> dict[Dest, Register]:
-        """Registrations waiting for this key's KV (none once it is ready, matched or closing): where layer
-        streaming may write before the whole KV is ready."""
-        e = self._entries.get(key)
-        if e is None or e.closing is not None or e.ready is not None:
-            return {}
-        return {dest: reg for dest, (reg, _) in e.pending.items()}
 
     # ---- events ----------------------------------------------------------------------------------
     def on_register(self, reg: Register, now: float, arrived_after: float | None = None) -> list[Action]:

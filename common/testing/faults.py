@@ -29,7 +29,6 @@ class FaultPlan:
     reorder_notif: float = 0.0
     fail_post: float = 0.0
     err_xfer: float = 0.0  # the post succeeds, the transfer then reports ERR (nothing is sent)
-    err_silent_xfer: float = 0.0  # ... only transfers posted without a notification (layer-streamed WRITEs)
     post_delay_s: float = 0.0  # hold every post this long (PROC) before really posting: a slow WRITE
     crash_send: float = 0.0  # send_notif raises an unexpected (non-TransportError) exception: a bug mid-step
     crash_fetch: float = 0.0  # get_notifs raises an unexpected exception (nothing is fetched or lost)
@@ -58,11 +57,6 @@ class FaultyTransport:
 
     def post(self, op, peer, local: np.ndarray, remote: np.ndarray, mem_type, remote_mem_type, notif):
         args = (op, peer, local.copy(), remote.copy(), mem_type, remote_mem_type, notif)
-        if not notif and self._hit(self.plan.err_silent_xfer):
-            self.counts["err_silent_xfer"] += 1
-            token = _Held()
-            self._fake_err.add(id(token))
-            return token
         return self._faulty_post(lambda: self.inner.post(*args))
 
     def post_prepped(self, op, local, local_idx, remote, remote_idx, notif):

@@ -158,30 +158,6 @@ class Peer:
         self.ep.kv_ready(tid, attempt, blocks, num_tokens, consumer_tp=consumer_tp)
         return {}
 
-    def op_layers(self, tid, attempt, blocks, num_tokens, first, end):
-        """Layer streaming: layers [first, end) of this request hold tokens [0, num_tokens) (a prefill step)."""
-        self.ep.layers_ready(self.ep.layer_chunks([(tid, attempt, blocks, num_tokens)]), first, end)
-        return {}
-
-    def op_prefill(self, tid, attempt, blocks, num_tokens, layer_ms, stream):
-        """A simulated prefill (benchmarks): each layer takes `layer_ms`, then (`stream`) hands its KV over as
-        save_kv_layer does; finally the whole KV is ready.  Returns when the last layer ended (wall clock)."""
-        layers = self.backend.layout().num_layers
-        chunks = self.ep.layer_chunks([(tid, attempt, blocks, num_tokens)])
-        hook_us, fence_us = [], []  # the engine thread's cost: layers_ready, and its device fence alone
-        for layer in range(layers):
-            time.sleep(layer_ms / 1e3)
-            if stream:
-                t0 = time.perf_counter()
-                self.ep.layers_ready(chunks, layer, layer + 1)
-                t1 = time.perf_counter()
-                self.backend.mark_kv_written()
-                fence_us.append((time.perf_counter() - t1) * 1e6)
-                hook_us.append((t1 - t0) * 1e6)
-        done = time.time()
-        self.ep.kv_ready(tid, attempt, blocks, num_tokens)
-        return {"prefill_done": done, "hook_us": hook_us, "fence_us": fence_us}
-
     def op_expect(self, tid, attempt, producer, blocks, num_tokens, first_token=0):
         self.ep.expect(tid, attempt, ProducerIdentity(**producer), blocks, num_tokens, first_token)
         return {}

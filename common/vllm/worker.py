@@ -7,8 +7,6 @@ call happens on the endpoint's own worker thread.
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 import time
 from collections import Counter
 from typing import Callable
@@ -18,7 +16,6 @@ from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.endpoint.producer import ProducerEndpoint
 from kvpush_common.state.rendezvous import Outcome, Release
-from kvpush_common.protocol.layout import layer_order
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.vllm.compat import TransferResults
 from kvpush_common.vllm.hook_probe import GcClock, HookProbe
@@ -43,19 +40,14 @@ class WorkerSide:
         self._released: set[str] = set()  # producer: released but not yet reported finished by the scheduler
         self._finished_unsent: set[str] = set()  # named finished last step with no send known
         self._hooks: dict = {}  # hook name -> its kvpush_engine_hook_seconds child, once an endpoint is bound
-        self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the KV layout
-        self._streaming: tuple = ()  # producer, layer streaming: this step's (transfer_id, attempt, blocks, tokens)
         self._probe: HookProbe | None = None  # event log on: say where a slow start_load_kv's time went
-        self._switch_interval_before: float | None = None  # gil_switch_interval_s set: Python's, restored at shutdown
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
         backend = self._make_backend(kv_caches, first)
-        self._layer_index = {name: i for i, name in enumerate(sorted(kv_caches, key=layer_order))}
         cfg = self.settings.endpoint_config(self.rank)
         cls = ProducerEndpoint if self.settings.role == "producer" else ConsumerEndpoint
         self._bind(cls(cfg, backend).start())
-        self._set_switch_interval()
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
@@ -64,19 +56,9 @@ class WorkerSide:
         where = f" on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if cls is ProducerEndpoint else ""
         log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
 
-    def _set_switch_interval(self) -> None:
-        """Apply gil_switch_interval_s (process-wide; see ConnectorSettings for what it was measured to do)."""
-        seconds = self.settings.gil_switch_interval_s
-        if seconds is None:
-            return
-        self._switch_interval_before = sys.getswitchinterval()
-        sys.setswitchinterval(seconds)
-        log.info("kvpush: GIL switch interval %.3g ms (was %.3g ms)", seconds * 1e3, self._switch_interval_before * 1e3)
-
     def _bind(self, endpoint: ProducerEndpoint | ConsumerEndpoint) -> None:
         self.endpoint = endpoint
-        self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results",
-                                                                             "save_kv_layer")}
+        self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results")}
         if getattr(endpoint.event, "on", False):
             self._probe = HookProbe(GcClock().install())
 
@@ -88,10 +70,10 @@ class WorkerSide:
             histogram.observe(elapsed)
         if elapsed > SLOW_HOOK_S and meta is not None and self.endpoint is not None:
             # which steps pass the goal (event log only): those handing a receive or send over, or others
-            ops = (*meta.recvs, *meta.sends, *meta.streams, *meta.aborts, *meta.declines)
+            ops = (*meta.recvs, *meta.sends, *meta.aborts, *meta.declines)
             key = TransferKey(ops[0].transfer_id, ops[0].attempt) if ops else TransferKey("-", 0)
             self.endpoint.event("slow_hook", key, hook=hook, us=round(elapsed * 1e6, 1), recvs=len(meta.recvs),
-                                sends=len(meta.sends), streams=len(meta.streams),
+                                sends=len(meta.sends),
                                 other=len(meta.aborts) + len(meta.declines),
                                 **(self._probe.detail(started, ended) if self._probe is not None else {}))
 
@@ -107,19 +89,15 @@ class WorkerSide:
 
     def _hand_over(self, meta: KVPushMetadata, probe: HookProbe | None) -> None:
         ep = self.endpoint
-        # built once per step (not per layer): save_kv_layer hands this tuple over as it is
-        self._streaming = ep.layer_chunks((op.transfer_id, op.attempt, op.block_ids, op.num_tokens)
-                                          for op in meta.streams) if meta.streams else ()
-        if probe is not None:
-            probe.mark("streams")
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
             ep.event("recv_staged", key)
             if probe is not None:
                 probe.mark("recv_log")
-            args = (op.transfer_id, op.attempt, op.producer, op.block_ids, op.num_tokens, op.first_token)
-            self._later(self.settings.register_delay_s, ep.expect, args)
+            args = (op.transfer_id, op.attempt, op.producer, op.block_ids, op.num_tokens, op.first_token,
+                    op.follow_address)
+            ep.expect(*args)
         if probe is not None:
             probe.mark("recvs")
         for op in meta.sends:
@@ -128,31 +106,14 @@ class WorkerSide:
             ep.event("send_staged", TransferKey(op.transfer_id, op.attempt))
             args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens, self.settings.kv_fence == "output",
                     op.consumer_tp)
-            self._later(self.settings.ready_delay_s, ep.kv_ready, args)
+            ep.kv_ready(*args)
         if probe is not None:
             probe.mark("sends")
         for op in meta.aborts:
             ep.abort(op.transfer_id, op.attempt, op.reason)
         for op in meta.declines:
             ep.decline(op.transfer_id, op.attempt, op.producer, op.reason)
-
-    def save_kv_layer(self, layer_name: str) -> None:
-        """Layer streaming: this layer's KV of the step is queued on the device; hand it over (one fence
-        and one queue put, only on steps that prefill a streamed request)."""
-        if not self._streaming or self.endpoint is None:
-            return
-        started = time.perf_counter()
-        layer = self._layer_index.get(layer_name)
-        if layer is not None:
-            self.endpoint.layers_ready(self._streaming, layer, layer + 1)
-        self._timed("save_kv_layer", started)
-
-    @staticmethod
-    def _later(delay_s: float, fn, args) -> None:
-        if delay_s > 0:  # test knob; a timer thread, never the engine thread
-            threading.Timer(delay_s, fn, args).start()
-        else:
-            fn(*args)
+        ep.engine_step()  # a consumer with keys waiting for bytes fetches its notifications now
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         if self.endpoint is None:
@@ -197,9 +158,6 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
-        if self._switch_interval_before is not None:
-            sys.setswitchinterval(self._switch_interval_before)
-            self._switch_interval_before = None
         if self._probe is not None:
             self._probe.gc.remove()
             self._probe = None

@@ -15,7 +15,6 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 

@@ -16,7 +16,8 @@ from kvpush_common.endpoint.base import Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
 from kvpush_common.device.host import HostBackend
 from kvpush_common.endpoint.producer import ProducerEndpoint
-from kvpush_common.router.app import ClientFields, UpstreamReply, decode_body, prefill_body, push_decode_params
+from kvpush_common.router.legs import decode_body, prefill_body
+from kvpush_common.router.replies import ClientFields, UpstreamReply
 from kvpush_common.protocol.legs import parse_leg
 from kvpush_common.protocol.wire import MAX_HANDSHAKE_BYTES, Codec, Hello, HelloReject, Message, WireError
 

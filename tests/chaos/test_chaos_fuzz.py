@@ -146,12 +146,10 @@ def test_version_mismatch_and_oversized_lists_are_refused():
 
 
 def test_mode_and_version_mismatch_at_handshake_are_refused_with_reasons():
-    import dataclasses
-
     from kvpush_common.endpoint.consumer import ConsumerEndpoint
     from kvpush_common.endpoint.config import EndpointConfig
     from kvpush_common.device.host import HostBackend
-    from kvpush_common.protocol.wire import Hello, HelloReject
+    from kvpush_common.protocol.wire import HelloReject
 
     ft.handshake(b"")  # builds the server
     backend = HostBackend(num_layers=2, num_heads=2, head_dim=4, block_size=4, num_blocks=8)
@@ -171,8 +169,6 @@ def test_mode_and_version_mismatch_at_handshake_are_refused_with_reasons():
 
 
 def test_out_of_range_and_foreign_block_ids_are_refused_before_any_descriptor():
-    from kvpush_common.protocol.identity import TransferKey
-
     def run(ids, engine="D"):
         p = ft._producer()
         d = ft.HostBackend(num_layers=2, num_heads=2, head_dim=4, block_size=4, num_blocks=8)

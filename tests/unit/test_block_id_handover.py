@@ -36,11 +36,9 @@ def test_the_engine_thread_hands_the_ids_over_without_converting_them():
     ref = ProducerIdentity(engine_id="P", host="127.0.0.1", port=1, tp_size=1)
     ep.expect("a", 0, ref, ids, 1024)
     assert ep._inbox.get_nowait().block_ids is ids  # the same tuple: no per-id work on the engine thread
-    p = ProducerEndpoint(EndpointConfig(engine_id="P", stream_layers=True), backend())
+    p = ProducerEndpoint(EndpointConfig(engine_id="P"), backend())
     p.kv_ready("a", 0, ids, 1024, written=True)
     assert p._inbox.get_nowait().ready.block_ids is ids
-    (chunk,) = p.layer_chunks([("a", 0, ids, 1024)])
-    assert chunk[1] is ids
 
 
 def test_a_consumer_request_with_bad_ids_fails_and_the_registration_carries_ints():
@@ -58,8 +56,8 @@ def test_a_consumer_request_with_bad_ids_fails_and_the_registration_carries_ints
     ep.close()
 
 
-def test_a_producer_ready_with_bad_ids_releases_it_as_failed_and_streams_convert_once_per_step():
-    p = ProducerEndpoint(EndpointConfig(engine_id="P", stream_layers=True), backend())
+def test_a_producer_ready_with_bad_ids_releases_it_as_failed():
+    p = ProducerEndpoint(EndpointConfig(engine_id="P"), backend())
     p.transport = t = Flaky()
     p._peers[("D", 0)] = Peer("D", 0, 1, "D/r0", backend().layout())
     reg = Register(transfer_id="bad", attempt=0, consumer_engine="D", consumer_rank=0, consumer_tp=1,
@@ -72,10 +70,4 @@ def test_a_producer_ready_with_bad_ids_releases_it_as_failed_and_streams_convert
     assert [(r.key.transfer_id, r.outcome.value) for r in p.take_finished()] == [("bad", "failed")]
     (failed,) = [m for m in map(Codec().decode, t.sent) if type(m).__name__ == "WriteFailed"]
     assert "bad block ids" in failed.reason  # the waiting consumer rank hears it at once
-    chunks = p.layer_chunks([("s", 0, (np.int64(4), np.int64(5)), 8)])
-    p.layers_ready(chunks, 0, 1)
-    p.layers_ready(chunks, 1, 2)
-    p._step()
-    assert p._layer_chunks[0] is chunks and p._layer_chunks[1][0][1] == (4, 5)
-    assert TransferKey("s", 0) in p._streams
     p.close()

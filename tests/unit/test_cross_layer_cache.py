@@ -150,17 +150,20 @@ def test_bad_cross_layer_tensors_are_refused():
 
 
 def test_the_connector_asks_vllm_for_it_for_whole_request_transfers_over_ucx():
-    """Unset: wished for over UCX without layer streaming (where one descriptor per run pays); set: as set."""
+    """CUDA, unset: wished for over UCX (where one descriptor per run pays); set: as set.
+    The base connector (vLLM's CPU build, the Neuron plugin) asks only when set true."""
     from kvpush_common.testing.vllm_config import vllm_config
     from kvpush_common.vllm.settings import ConnectorSettings
+    from kvpush_cuda.connector import KVPushCudaConnector
 
     conn = KVPushConnector.__new__(KVPushConnector)
-    for extra, wished in (({}, True), ({"stream_layers": True}, False), ({"backend": "LIBFABRIC"}, False),
-                          ({"cross_layer_blocks": False}, False), ({"stream_layers": True, "cross_layer_blocks": True}, True),
+    for extra, wished in (({}, True), ({"backend": "LIBFABRIC"}, False), ({"cross_layer_blocks": False}, False),
                           ({"backend": "LIBFABRIC", "cross_layer_blocks": True}, True)):
-        conn.settings = ConnectorSettings.from_vllm(vllm_config(**extra))
-        assert conn.prefer_cross_layer_blocks is wished, extra
-    with pytest.raises(ValueError, match="cross_layer_blocks must be true or false"):
+        settings = ConnectorSettings.from_vllm(vllm_config(**extra))
+        assert KVPushCudaConnector.asks_cross_layer(settings) is wished, extra
+        conn.settings = settings
+        assert conn.prefer_cross_layer_blocks is (extra.get("cross_layer_blocks") is True), extra
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.cross_layer_blocks: expected `bool"):
         ConnectorSettings.from_vllm(vllm_config(cross_layer_blocks="yes"))
 
 

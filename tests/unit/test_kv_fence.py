@@ -16,7 +16,7 @@ from kvpush_common.vllm.worker import WorkerSide
 def test_the_default_is_output_and_an_unknown_value_is_refused():
     assert ConnectorSettings.from_vllm(vllm_config()).kv_fence == "output"
     assert ConnectorSettings.from_vllm(vllm_config(kv_fence="event")).kv_fence == "event"
-    with pytest.raises(ValueError, match="kv_fence must be one of output, event"):
+    with pytest.raises(ValueError, match="kv_connector_extra_config.kv_fence: invalid enum value 'cuda'"):
         ConnectorSettings.from_vllm(vllm_config(kv_fence="cuda"))
 
 
@@ -32,7 +32,8 @@ class Backend:
 def producer_kv_ready(fence: str) -> tuple[Backend, list]:
     """What the producer endpoint queues when the vLLM worker hook hands it a finished prefill."""
     backend, queued = Backend(), []
-    endpoint = SimpleNamespace(backend=backend, _enqueue=queued.append, event=lambda *a, **k: None, clock=lambda: 1.0)
+    endpoint = SimpleNamespace(backend=backend, _enqueue=queued.append, event=lambda *a, **k: None, clock=lambda: 1.0,
+                               engine_step=lambda: None)
     endpoint.kv_ready = lambda *args: ProducerEndpoint.kv_ready(endpoint, *args)
     side = WorkerSide(ConnectorSettings.from_vllm(vllm_config(kv_fence=fence)), 0, make_backend=None)
     side.endpoint = endpoint

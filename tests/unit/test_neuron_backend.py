@@ -1,5 +1,5 @@
 """kvpush_neuron on CPU: the start-up rules (simulated runtime), the plugin layout read from shapes and
-strides, block-id sentinels, the EFA preflight (faked sysfs/env), and Neuron <-> CUDA-layout transfers
+strides, block-id sentinels, and Neuron <-> CUDA-layout transfers
 planned by the core and checked byte by byte with the independent reference in kvref."""
 
 import os
@@ -16,8 +16,6 @@ from kvpush_common.protocol.layout import LayoutError, contiguous_layout
 from kvpush_common.plan.planner import plan_transfer
 from kvpush_common.protocol.topology import HeadRoute, routes
 from kvpush_neuron.kv_cache import BlockIdError, NeuronKVCache, describe_neuron_caches, strip_block_sentinels
-from kvpush_neuron.efa import (EfaPreflightError, neuron_efa_preflight, neuron_transport, rank_rails,
-                               cores_per_chip, efa_devices)
 from kvpush_neuron.runtime import (NeuronRuntimeError, NeuronUnavailableError, RealNeuronRuntime,
                                    SimulatedNeuronRuntime, parse_core_list)
 from kvpush_neuron.slab import NeuronSlab, plugin_kv_caches, ready_sim_runtime
@@ -150,8 +148,51 @@ def test_neuron_rt_visible_cores_is_refused_with_the_new_plugin():
 
 
 def test_real_runtime_is_not_available_here_and_says_so():
-    with pytest.raises(NeuronUnavailableError, match="not available.*Neuron host"):
+    with pytest.raises(NeuronUnavailableError, match=r"no `neuron` device.*trn2/trn3 host.*libtorch-neuronx-lite"):
         RealNeuronRuntime()
+
+
+# torch's `neuron` device registered the way libtorch_neuronx_lite (or the native torch_neuronx) registers it
+# (PyTorch's PrivateUse1 backend renamed; irreversible, hence a child process), torch_neuronx unimportable
+_NEURON_DEVICE = """
+import sys, torch
+sys.modules["torch_neuronx"] = None
+{register}
+from kvpush_neuron.runtime import NeuronRuntimeError, RealNeuronRuntime
+rt = RealNeuronRuntime({{}})
+
+class KV:  # a `neuron` tensor as the plugin's worker allocates it (no Neuron backend on this host)
+    device = torch.device("neuron", 3)
+    def data_ptr(self):
+        return 0x7F0000001000
+
+rt.adopt(KV())
+assert rt.is_initialized() and rt.data_ptr(KV()) == 0x7F0000001000 and rt.device_index(KV()) == 3
+try:
+    rt.data_ptr(torch.zeros(4))
+    raise SystemExit("a CPU tensor was accepted")
+except NeuronRuntimeError as e:
+    assert "not a Neuron device" in str(e)
+print("provider", rt.provider)
+"""
+
+
+@pytest.mark.parametrize("register,provider", [
+    ("torch.utils.rename_privateuse1_backend('neuron')", "already"),  # inside the plugin's worker
+    ("", "libtorch_neuronx_lite"),  # the lite package is importable but not imported yet
+])
+def test_real_runtime_runs_on_the_neuron_device_without_torch_neuronx(tmp_path, register, provider):
+    """The plugin's stack (vllm-neuron 0.24/0.29: torch + libtorch-neuronx-lite) ships no torch_neuronx."""
+    import subprocess
+
+    lite = tmp_path / "libtorch_neuronx_lite"
+    lite.mkdir()
+    (lite / "__init__.py").write_text("import torch\ntorch.utils.rename_privateuse1_backend('neuron')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", _NEURON_DEVICE.format(register=register)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith(f"provider {provider}")
 
 
 def test_connector_refuses_without_a_neuron_host():
@@ -161,12 +202,11 @@ def test_connector_refuses_without_a_neuron_host():
         KVPushNeuronConnector.make_backend(object.__new__(KVPushNeuronConnector), {}, 0)
 
 
-def test_real_runtime_accepts_only_neuron_device_tensors(monkeypatch):
+def test_an_xla_torch_neuronx_is_not_the_neuron_device(monkeypatch):
+    """torch-neuronx 2.9 (PyTorch/XLA) imports but registers no `neuron` device: refused, naming why."""
     monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
-    rt = RealNeuronRuntime({})
-    with pytest.raises(NeuronRuntimeError, match="not a Neuron device"):
-        rt.data_ptr(torch.zeros(4))
-    assert not rt.is_initialized() and rt.visible_devices() == []
+    with pytest.raises(NeuronUnavailableError, match="torch_neuronx: imported, but torch has no `neuron` device"):
+        RealNeuronRuntime({})
 
 
 # ---- layout of the plugin's tensors --------------------------------------------------------------
@@ -183,7 +223,7 @@ def test_every_element_is_where_the_layout_says(pair):
     layout, regs, dev = describe_neuron_caches(kv, rt, block_size=BS, num_heads=H, head_size=D)
     assert (layout.order, layout.block_size, layout.num_blocks, len(layout.regions), dev) == ("HND", BS, B, 22, 0)
     assert len(regs) == 22 and [r.mem_id for r in layout.regions] == list(range(22))  # K and V registered apart
-    names = sorted(kv, key=lambda n: int(n.split(".")[2]))
+    names = sorted(kv, key=lambda n: int(n.split(".")[1]))
     e = 2
     for li, name in enumerate(names):
         for kvp in range(2):
@@ -211,7 +251,7 @@ def test_slab_layout_is_the_contiguous_hnd_layout():
 
 def test_unknown_shapes_and_packings_are_refused():
     rt = started()
-    t = caches(rt, 1)["model.layers.0.self_attn.attn"]
+    t = caches(rt, 1)["layers.0.self_attn"]
     with pytest.raises(LayoutError, match="block_size"):
         describe_neuron_caches({"l.0": t}, rt, block_size=16)
     nhd = t.view(2, B, BS, H, D).transpose(2, 3)  # right shape, but blocks stored (block_size, heads)
@@ -238,61 +278,6 @@ def test_sentinels_are_stripped_or_refused():
         strip_block_sentinels([5, 10], 10)
     rt = started()
     assert NeuronKVCache(caches(rt), 0, runtime=rt, block_size=BS).block_ids(np.array([1, 5, -1])) == [1, 5]
-
-
-# ---- EFA preflight --------------------------------------------------------------------------------
-
-EFA_ENV = {"NEURON_VISIBLE_DEVICES": "32-63", "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
-           "FI_EFA_ENABLE_SHM_TRANSFER": "0"}
-
-
-def fake_sysfs(tmp_path, count, driver="efa"):
-    root = tmp_path / "infiniband"
-    drivers = tmp_path / "drivers" / driver
-    drivers.mkdir(parents=True)
-    for i in range(count):
-        (root / f"rdmap{i:02d}s0" / "device").mkdir(parents=True)
-        os.symlink(drivers, root / f"rdmap{i:02d}s0" / "device" / "driver")
-    return root
-
-
-def test_trn2_host_set_up_as_documented_passes(tmp_path):
-    sysfs = fake_sysfs(tmp_path, 16)
-    assert neuron_efa_preflight(EFA_ENV, sysfs=sysfs, fabric_version=(2, 7)) == []
-    cfg = neuron_transport({"backend_params": {"num_threads": 2}}, EFA_ENV, sysfs=sysfs, fabric_version=(2, 8))
-    assert cfg.backend == "LIBFABRIC" and cfg.init_params() == {"num_threads": "2"}
-
-
-def test_each_rank_gets_its_chips_rail(tmp_path):
-    devices = efa_devices(fake_sysfs(tmp_path, 16))
-    assert cores_per_chip({}) == 4 and cores_per_chip({"NEURON_LOGICAL_NC_CONFIG": "1"}) == 8
-    rails = rank_rails(parse_core_list("32-63"), devices, 4)  # D: DP4 x TP8 on chips 8..15
-    assert rails[0] == rails[3] == "rdmap08s0" and rails[4] == "rdmap09s0" and rails[-1] == "rdmap15s0"
-    assert rank_rails([0, 9], devices[:2], 4) == ["rdmap00s0", None]
-
-
-def test_every_problem_is_named_with_its_fix(tmp_path):
-    sysfs = fake_sysfs(tmp_path, 4)  # a host launched with 4 of its 16 EFA interfaces
-    problems = neuron_efa_preflight({"NEURON_VISIBLE_DEVICES": "0-3,28", "FI_PROVIDER": "tcp"}, sysfs=sysfs,
-                                    fabric_version=(2, 1))
-    text = "\n".join(problems)
-    assert len(problems) == 5, text
-    assert "cores [28]" in text and "all 16 EFA interfaces" in text and "FI_PROVIDER=efa" in text
-    assert "FI_EFA_USE_DEVICE_RDMA" in text and "FI_EFA_ENABLE_SHM_TRANSFER" in text and "FABRIC_1.10" in text
-    assert not any("SHM" in p for p in neuron_efa_preflight({**EFA_ENV, "FI_EFA_ENABLE_SHM_TRANSFER": "1"},
-                                                          sysfs=sysfs, same_host=False, fabric_version=(2, 7)))
-    no_cores = neuron_efa_preflight({**EFA_ENV, "NEURON_VISIBLE_DEVICES": ""}, sysfs=sysfs, fabric_version=(2, 7))
-    assert no_cores == [next(p for p in no_cores if "NEURON_VISIBLE_DEVICES is not set" in p)]
-    rt_cores = {**EFA_ENV, "NEURON_VISIBLE_DEVICES": "", "NEURON_RT_VISIBLE_CORES": "0"}
-    assert "refuses it" in neuron_efa_preflight(rt_cores, sysfs=sysfs, fabric_version=(2, 7))[0]
-    assert "libfabric.so.1 not found" in neuron_efa_preflight(EFA_ENV, sysfs=sysfs, fabric_version=None)[-1]
-
-
-def test_no_efa_or_other_backends_fail_at_start_up(tmp_path):
-    with pytest.raises(EfaPreflightError, match="no EFA device.*trn2.3xlarge"):
-        neuron_transport({}, EFA_ENV, sysfs=tmp_path / "none", fabric_version=(2, 7))
-    with pytest.raises(EfaPreflightError, match="cannot register Neuron HBM: use LIBFABRIC"):
-        neuron_transport({"backend": "ucx"}, EFA_ENV, sysfs=tmp_path / "none")
 
 
 # ---- Neuron layout <-> CUDA FlashAttention NHD layout through the core planner ---------------------
@@ -361,14 +346,14 @@ def test_cuda_layout_prefill_to_neuron_decode(src_tp, dst_tp):
 def test_simulated_plugin_mirrors_vllm_cpu_blocks_into_the_plugin_planes_and_back():
     """vLLM's CPU cache keeps, per block and head, the K rows then the V rows ([blocks, heads, 32, 2*dim]
     read as [blocks, heads, 2, 32, dim]); the plugin's tensor is [2, blocks, heads, 32, dim]."""
-    from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector, _runtime
+    from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector, _runtime, plugin_register_view
 
     engine = {f"model.layers.{i}.self_attn.attn": torch.randn(B, H, BS, 2 * D).to(torch.bfloat16) for i in range(L)}
     conn = object.__new__(SimulatedNeuronPluginConnector)
     conn._engine_kv = engine
-    conn._plugin_kv = plugin_kv_caches(_runtime(), num_layers=L, num_heads=H, head_dim=D, num_blocks=B, block_size=BS)
-    conn._to_plugin((4, 1))
-    for name, plugin in zip(engine, conn._plugin_kv.values()):
+    conn._plugin_kv = plugin_register_view(_runtime(), None, engine)
+    conn._to_plugin((0, 4, 1))  # vLLM's null block 0 (a sliding window's dropped block) is never copied
+    for name, plugin in conn._plugin_kv.items():
         kv = engine[name].view(B, H, 2, BS, D)
         for b in (4, 1):
             assert torch.equal(plugin[0, b], kv[b, :, 0]) and torch.equal(plugin[1, b], kv[b, :, 1])
@@ -376,7 +361,7 @@ def test_simulated_plugin_mirrors_vllm_cpu_blocks_into_the_plugin_planes_and_bac
     before = {n: t.clone() for n, t in engine.items()}
     for t in engine.values():
         t.zero_()
-    conn._from_plugin((1,))
+    conn._from_plugin((0, 1))
     for name, t in engine.items():
         assert torch.equal(t[1], before[name][1]) and not t[[0, 2, 3, 4, 5]].any()
 
@@ -391,3 +376,4 @@ def test_a_peer_of_another_kv_geometry_is_refused_naming_the_fields():
                            runtime=rt, block_size=BS, num_heads=H, head_size=D).layout()
     assert geometry_difference(cpu, plugin) == f"head_dim {2 * D} vs {D}, kv_planes 1 vs 2, token_rows False vs True"
     assert geometry_difference(plugin, plugin) is None
+

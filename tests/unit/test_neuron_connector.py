@@ -86,11 +86,28 @@ def test_block_ids_reach_the_core_without_sentinels():
     assert not (res.finished_sending or res.finished_recving or res.failed_recving)
 
 
+def test_a_sliding_windows_dropped_blocks_are_not_moved():
+    """A sliding-window group's request starts with vLLM's null block where the window dropped blocks (the
+    prefill side freed them; the decode side allocates none for them): the decode registers only the tokens
+    after them, and the prefill marks its dropped blocks -1, which the planner refuses to read."""
+    rt = ready_sim_runtime()
+    conn = connector(rt)
+    conn.make_backend(kv(rt), 0)
+    meta = KVPushMetadata(recvs=[RecvOp("d", "t1", 0, PROD, (0, 0, 5, 6), 120, 0),
+                                 RecvOp("d-cached", "t3", 0, PROD, (0, 7), 100, 32)],
+                          sends=[SendOp("p", "t2", 0, (0, 0, 7, 8), 120)])
+    step(conn, meta)
+    seen = conn._worker.metas[-1]
+    assert [(op.block_ids, op.first_token, op.num_tokens) for op in seen.recvs] == [((5, 6), 64, 120),
+                                                                                  ((7,), 64, 100)]
+    assert [op.block_ids for op in seen.sends] == [(-1, -1, 7, 8)] and not seen.aborts
+
+
 def test_a_request_with_a_hole_moves_no_kv_and_is_settled():
     rt = ready_sim_runtime()
     conn = connector(rt)
     conn.make_backend(kv(rt), 0)
-    meta = KVPushMetadata(recvs=[RecvOp("d-hole", "t1", 0, PROD, (0, 5, 6), 96, 0),
+    meta = KVPushMetadata(recvs=[RecvOp("d-hole", "t1", 0, PROD, (5, 0, 6), 96, 0),
                                  RecvOp("d-ok", "t3", 1, PROD, (2,), 10, 0)],
                           sends=[SendOp("p-range", "t2", 1, (3, NB), 64)])
     res = step(conn, meta)
@@ -109,7 +126,7 @@ def test_a_request_with_a_hole_moves_no_kv_and_is_settled():
 def test_guard_remembers_a_finish_that_came_first():
     guard = BlockIdGuard(lambda ids: NeuronKVCache.block_ids(SimpleNamespace(_layout=SimpleNamespace(num_blocks=NB)),
                                                              ids))
-    guard.filter(KVPushMetadata(sends=[SendOp("a", "t", 0, (0, 3), 40)]))
+    guard.filter(KVPushMetadata(sends=[SendOp("a", "t", 0, (3, 0, 4), 40)]))
     assert guard.settle(KVConnectorTransferResults(), {"x"}).finished_sending == set()
     guard.filter(KVPushMetadata(sends=[SendOp("b", "t", 1, (5, -1, 6), 40)]))
     assert guard.settle(KVConnectorTransferResults(), {"a", "b"}).finished_sending == {"a", "b"}

@@ -11,9 +11,8 @@ from kvpush_common.vllm.scheduler import SchedulerSide
 PRODUCER = {"engine_id": "P", "host": "127.0.0.1", "port": 5700, "tp_size": 1}
 
 
-def settings(role, local_prefill_max_tokens=0, stream_layers=False):
-    return SimpleNamespace(role=role, engine_id=role, mode="push", local_prefill_max_tokens=local_prefill_max_tokens,
-                           stream_layers=stream_layers)
+def settings(role, local_prefill_max_tokens=0):
+    return SimpleNamespace(role=role, engine_id=role, mode="push", local_prefill_max_tokens=local_prefill_max_tokens)
 
 
 def request(req_id, params, tokens=40):

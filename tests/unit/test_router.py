@@ -14,10 +14,11 @@ from aiohttp import ClientTimeout, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvpush_common.router.prefix_index import prompt_hashes
-from kvpush_common.router.app import (
-    Health, NixlProducer, ROUTER_KEY, RouterConfig, StartupError, build_app, decode_body, nixl_prefill_params, nixl_push_decode_params,
-    prefill_body, push_decode_params, push_prefill_params,
-)
+from kvpush_common.router.app import ROUTER_KEY, build_app
+from kvpush_common.router.baselines import NixlProducer, nixl_prefill_params, nixl_push_decode_params
+from kvpush_common.router.config import RouterConfig, StartupError
+from kvpush_common.router.legs import decode_body, prefill_body, push_decode_params, push_prefill_params
+from kvpush_common.router.upstreams import Health
 from kvpush_common.protocol.legs import ProducerIdentity
 
 IDENTITY = {"engine_id": "prefill-0", "host": "10.0.0.7", "port": 5600, "tp_size": 2}
@@ -26,6 +27,10 @@ NIXL_COORDS = {"remote_engine_id": "nixl-p", "remote_host": "10.0.0.8", "remote_
 SSE = [b'data: {"choices":[{"text":"Hel"}]}\n\n', b'data: {"choices":[{"text":"lo \xc3\xa9"}]}\n\n',
        b'data: {"choices":[{"text":"!"}]}\n\ndata: [DONE]\n\n']
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "Hello!"}]}
+# what vLLM 0.32 answers for a request that failed (finish_reason "error", e.g. kv_load_failure_policy=fail):
+# GenerationError -> 500 with this body, or this as a stream's first event (after a chat stream's role preamble)
+VLLM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+CHAT_PREAMBLE = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 
 
 def run_async(fn):
@@ -56,13 +61,19 @@ class FakeVllm:
     role: str
     done: set = field(default_factory=set)  # (transfer_id, attempt) that some P finished; shared P/D
     delay: float = 0.0
-    actions: list[str] = field(default_factory=list)  # per leg, in order: ok, 500, 400, hang, drop, stall, local
+    # per leg, in order: ok, 500, 400, hang, drop, stall, local, error (vLLM's failed request, not a KV failure)
+    actions: list[str] = field(default_factory=list)
     identity: dict | None = field(default_factory=lambda: dict(IDENTITY))
     reply_params: dict | None = None
     healthy: bool = True
     metrics: str = ""  # its /metrics page (vLLM gauges), when set
     legs: list[Leg] = field(default_factory=list)
     probes: list[dict] = field(default_factory=list)
+    probe_status: int = 200  # what identity probes get (500: an instance that cannot say who it is)
+    # decode: the prefill instances it can reach; a leg naming an engine id none of them has fails its KV
+    # receive as a kvpush consumer does (handshake: "expected producer X, found Y") and is remembered
+    prefills: list["FakeVllm"] = field(default_factory=list)
+    failed_recvs: dict = field(default_factory=dict)  # decode: (transfer_id, attempt) -> producer engine id
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -95,6 +106,10 @@ class FakeVllm:
 
     async def _answer(self, request, leg: Leg, action: str):
         body = leg.body
+        if self.role == "decode" and self._stale(leg):
+            return await self._vllm_error(request, leg)
+        if action == "error":
+            return await self._vllm_error(request, leg)
         # "local": a decode that computes the prompt itself (short tail after its own prefix-cache hit)
         if self.role == "decode" and action in ("ok", "stall") and not await self._kv_arrived(request, leg):
             return web.Response(status=499)
@@ -125,10 +140,36 @@ class FakeVllm:
             await asyncio.sleep(0.01)
         return response
 
+    def _stale(self, leg: Leg) -> bool:
+        producer = leg.params.get("producer")
+        if not producer or not self.prefills or producer["engine_id"] in {p.identity["engine_id"] for p in self.prefills}:
+            return False
+        self.failed_recvs[(leg.params["transfer_id"], leg.params.get("attempt", 0))] = producer["engine_id"]
+        return True
+
+    async def _vllm_error(self, request, leg: Leg):
+        if not leg.body.get("stream"):
+            return web.json_response(VLLM_ERROR, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        if request.path.endswith("/chat/completions"):
+            await response.write(CHAT_PREAMBLE)
+            await asyncio.sleep(0.02)  # a separate read on the router's side
+        await response.write(b"data: " + json.dumps(VLLM_ERROR).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
     def _probe_answer(self, body):
         self.probes.append(body)
-        if body["kv_transfer_params"].get("kvpush") == "identity":
+        if self.probe_status != 200:
+            return web.json_response({"error": {"message": "busy"}}, status=self.probe_status)
+        asked = body["kv_transfer_params"]
+        if asked.get("kvpush") == "identity":
             params = {"kvpush_identity": self.identity} if self.identity else {"something_else": 1}
+            if "transfer_id" in asked and self.role == "decode":  # what KVPushConnector's scheduler side answers
+                key = (asked["transfer_id"], asked.get("attempt", 0))
+                params["kvpush_recv"] = {"transfer_id": key[0], "attempt": key[1], "failed": key in self.failed_recvs,
+                                         "producer_engine_id": self.failed_recvs.get(key)}
         else:
             params = dict(NIXL_COORDS)
         return web.json_response({**ANSWER, "kv_transfer_params": params})
@@ -165,6 +206,10 @@ async def cluster_stack(mode: str = "push", prefills: int = 1, decodes: int = 1,
     for fake, overrides in [(fakes_p[0], config.pop("prefill", {})), (fakes_d[0], config.pop("decode", {}))]:
         for key, value in overrides.items():
             setattr(fake, key, value)
+    for i, fake in enumerate(fakes_p[1:], 1):  # each prefill instance its own engine id
+        fake.identity = {**fake.identity, "engine_id": f"prefill-{i}"}
+    for fake in fakes_d:
+        fake.prefills = fakes_p
     servers = [TestServer(f.app(), host="127.0.0.1") for f in fakes_p + fakes_d]
     async with contextlib.AsyncExitStack() as stack:
         for server in servers:
@@ -309,7 +354,7 @@ async def test_a_decode_that_answers_first_cancels_the_prefill_leg(stream):
 
 @run_async
 async def test_exhausted_retries_give_a_clear_502():
-    async with router_stack(retries=2, prefill={"delay": 0.02, "actions": ["drop", "500", "500"]}) as (client, [p], d):
+    async with router_stack(retries=2, prefill={"delay": 0.02, "actions": ["500", "500", "500"]}) as (client, [p], d):
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert resp.status == 502
         error = (await resp.json())["error"]
@@ -318,7 +363,7 @@ async def test_exhausted_retries_give_a_clear_502():
         await wait_for(lambda: all(leg.disconnected for leg in d.legs) and len(d.legs) == 3)
         metrics = await (await client.get("/metrics")).text()
         assert 'kvpush_router_requests_total{mode="push",outcome="failed"} 1.0' in metrics
-        assert 'kvpush_router_failures_total{cause="prefill_connect",mode="push"} 1.0' in metrics
+        assert 'kvpush_router_failures_total{cause="prefill_status",mode="push"} 3.0' in metrics
 
 
 @run_async
@@ -391,7 +436,9 @@ async def test_prefills_are_used_round_robin():
         for _ in range(4):
             assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 200
         assert [len(p.legs) for p in ps] == [2, 2]
-        assert d.legs[0].params["producer"] == d.legs[1].params["producer"] == IDENTITY
+        served_by = {leg.params["transfer_id"]: p.identity for p in ps for leg in p.legs}
+        assert all(leg.params["producer"] == served_by[leg.params["transfer_id"]] for leg in d.legs)
+        assert ps[0].identity == IDENTITY
 
 
 # ---- routing across several instances (issue 14 item 3) --------------------------------------------
@@ -511,12 +558,12 @@ async def test_a_decode_instance_waiting_counts_only_requests_that_are_not_this_
         router = client.server.app[ROUTER_KEY]
         d, p = router.d_instances[router.decode_urls[0]], router.p_instances[router.prefills[0].url]
         d.enter(); d.enter(); p.enter()  # two decode legs and one prefill leg of ours in flight
-        await router._scrape_load(d.url)
-        await router._scrape_load(p.url)
+        await router.upstreams.scrape_load(d.url)
+        await router.upstreams.scrape_load(p.url)
         assert (d.waiting, p.waiting) == (1.0, 3.0)  # a prefill's queue is a real queue: kept whole
         d.leave(); d.leave()
         d.enter()  # ours finished, another sent: the page may still count it
-        await router._scrape_load(d.url)
+        await router.upstreams.scrape_load(d.url)
         assert d.waiting == 2.0
 
 
@@ -769,3 +816,154 @@ async def test_parallel_sampling_prefills_one_sequence_and_decodes_n():
         [pl], [dl] = p.legs, d.legs
         assert pl.body["n"] == 1 and "best_of" not in pl.body and pl.body["seed"] == 7
         assert dl.body["n"] == 2 and dl.body["best_of"] == 2
+
+
+# ---- restarts: identities probed again, failed receives retried, one instance alone (issue 31) -------
+
+def restart(fake: FakeVllm, engine_id: str) -> None:
+    """What a prefill instance killed and started again on the same port looks like: another engine id."""
+    fake.identity = {**fake.identity, "engine_id": engine_id}
+
+
+@run_async
+async def test_the_health_loop_learns_a_restarted_prefills_new_identity():
+    async with router_stack(health_interval_s=0.05) as (client, [p], d):
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 200
+        restart(p, "prefill-0-new")
+        router = client.server.app[ROUTER_KEY]
+        await wait_for(lambda: router.prefills[0].producer.engine_id == "prefill-0-new")
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert resp.status == 200 and await resp.json() == ANSWER
+        assert [leg.params["producer"]["engine_id"] for leg in d.legs] == ["prefill-0", "prefill-0-new"]
+        assert [leg.params["attempt"] for leg in d.legs] == [0, 0] and not d.failed_recvs
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_identity_changes_total{mode="push"} 1.0' in metrics
+
+
+@run_async
+@pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/completions", True),
+                                         ("/v1/chat/completions", True)])
+async def test_a_decode_leg_that_failed_for_a_stale_identity_is_retried_with_the_new_one(path, stream):
+    """The prefill restarted between two health rounds: D's receive fails (the old engine id is gone) and vLLM
+    answers that like any failed request.  The router asks D, learns it was the KV, probes P again and retries
+    on the same decode instance with the new identity, within the same request; the client sees one answer."""
+    async with router_stack(health_interval_s=60) as (client, [p], d):
+        restart(p, "prefill-0-new")
+        body = {"model": "m", "prompt": "x", "stream": stream}
+        if path.endswith("chat/completions"):
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": stream}
+        resp = await client.post(path, json=body)
+        assert resp.status == 200
+        assert (await resp.read() == b"".join(SSE)) if stream else (await resp.json() == ANSWER)
+        assert [leg.params["attempt"] for leg in d.legs] == [0, 1]
+        assert [leg.params["producer"]["engine_id"] for leg in d.legs] == ["prefill-0", "prefill-0-new"]
+        tid = d.legs[0].params["transfer_id"]
+        assert d.failed_recvs == {(tid, 0): "prefill-0"}
+        asked = [pr["kv_transfer_params"] for pr in d.probes if "transfer_id" in pr["kv_transfer_params"]]
+        assert asked == [{"kvpush": "identity", "transfer_id": tid, "attempt": 0}]
+        [timeline] = await (await client.get("/timelines")).json()
+        assert timeline["outcome"] == "ok" and timeline["attempt"] == 1 and "migrated_from" not in timeline
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_failures_total{cause="decode_stale_producer",mode="push"} 1.0' in metrics
+        assert 'kvpush_router_identity_changes_total{mode="push"} 1.0' in metrics
+
+
+@run_async
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_error_on_the_only_decode_passes_through_as_vllm_sent_it(stream):
+    """D failed the request but not for its KV (its RecvReport says so): nothing to retry with one decode
+    instance, and the client gets D's own answer, byte for byte."""
+    async with router_stack(decode={"actions": ["error"]}) as (client, [p], d):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": stream})
+        if stream:
+            assert resp.status == 200
+            assert await resp.read() == b"data: " + json.dumps(VLLM_ERROR).encode() + b"\n\ndata: [DONE]\n\n"
+        else:
+            assert resp.status == 500 and await resp.json() == VLLM_ERROR
+        assert len(d.legs) == 1 and not d.failed_recvs
+        assert [pr["kv_transfer_params"].get("transfer_id") for pr in d.probes][-1] == d.legs[0].params["transfer_id"]
+
+
+@run_async
+async def test_a_failed_receive_from_a_prefill_that_cannot_answer_moves_to_another_prefill():
+    """D's receive failed and P no longer answers its identity probe (dead, or wedged): the retry avoids it."""
+    async with router_stack(prefills=2, health_interval_s=60, policy="round-robin") as (client, ps, d):
+        restart(ps[0], "prefill-0-gone")  # D can no longer reach what the router knows as prefill-0 ...
+        ps[0].probe_status = 500  # ... and P0 cannot say who it is
+        for _ in range(2):  # round-robin: one of the two requests starts on P0
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert resp.status == 200 and await resp.json() == ANSWER
+        failed = [leg for leg in d.legs if leg.params["producer"]["engine_id"] == "prefill-0"]
+        assert len(failed) == 1 and failed[0].params["attempt"] == 0
+        retried = next(leg for leg in d.legs if leg.params["transfer_id"] == failed[0].params["transfer_id"]
+                       and leg.params["attempt"] == 1)
+        assert retried.params["producer"] == ps[1].identity
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_failures_total{cause="decode_dead_producer",mode="push"} 1.0' in metrics
+
+
+@run_async
+async def test_with_no_usable_prefill_the_decode_computes_the_prompt_alone():
+    """The only prefill instance refuses (killed) mid-request, and then its /health fails: that request and the
+    next are computed by the decode instance alone (no kv_transfer_params), and both are answered."""
+    async with router_stack(health_interval_s=0.05, prefill={"actions": ["drop"]}) as (client, [p], d):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert resp.status == 200 and await resp.json() == ANSWER
+        assert [leg.params.get("kvpush") for leg in d.legs] == ["decode", None]
+        p.healthy = False
+        await asyncio.sleep(0.3)
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "y", "kv_transfer_params": {"a": 1}})
+        assert resp.status == 200 and len(p.legs) == 1 and d.legs[-1].body == {"model": "m", "prompt": "y"}
+        timelines = await (await client.get("/timelines")).json()
+        assert [t["route"].get("fallback") for t in timelines] == ["no_prefill", "no_prefill"]
+        assert timelines[0]["attempt"] == 1
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_fallbacks_total{kind="no_prefill",mode="push"} 2.0' in metrics
+
+
+@run_async
+async def test_with_no_usable_decode_a_prefill_serves_the_request_alone():
+    """The only decode instance is killed before its first byte: the request is served by the prefill instance
+    as a single instance (the client's body unchanged), and so is the next while D's /health fails."""
+    async with router_stack(health_interval_s=0.05, decode={"actions": ["drop"]}) as (client, [p], d):
+        body = {"model": "m", "prompt": "x", "max_tokens": 9}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200 and (await resp.json())["choices"] == ANSWER["choices"]
+        assert p.legs[-1].body == body and len(d.legs) == 1
+        d.healthy = False
+        await asyncio.sleep(0.3)
+        assert (await client.post("/v1/completions", json=body)).status == 200 and len(d.legs) == 1
+        timelines = await (await client.get("/timelines")).json()
+        assert [t["route"]["fallback"] for t in timelines] == ["no_decode", "no_decode"]
+        assert [t["route"]["decode"] for t in timelines] == [None, None]
+
+
+@run_async
+async def test_a_prefill_seen_down_gets_requests_again_only_once_its_new_identity_is_known():
+    async with router_stack(prefills=2, health_interval_s=0.05, policy="round-robin") as (client, ps, d):
+        router = client.server.app[ROUTER_KEY]
+        ps[0].healthy = False
+        await wait_for(lambda: not router.prefills[0].confirmed)
+        restart(ps[0], "prefill-0-new")
+        ps[0].probe_status = 500  # up again, but not yet able to say who it is
+        ps[0].healthy = True
+        await asyncio.sleep(0.3)
+        for _ in range(3):
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 200
+        assert len(ps[0].legs) == 0 and len(ps[1].legs) == 3
+        ps[0].probe_status = 200
+        await wait_for(lambda: router.prefills[0].confirmed)
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json={"model": "m", "prompt": "x"})).status == 200
+        assert len(ps[0].legs) == 1 and d.legs[-2:][0].params["producer"]["engine_id"] in ("prefill-0-new", "prefill-1")
+        assert not d.failed_recvs  # no request ever named the old identity
+
+
+def test_a_chat_streams_role_preamble_is_looked_past_for_an_error():
+    from kvpush_common.router.replies import is_error_stream as _is_error_stream
+
+    error = b"data: " + json.dumps(VLLM_ERROR).encode() + b"\n\n"
+    assert _is_error_stream(CHAT_PREAMBLE + error) and _is_error_stream(error + b"data: [DONE]\n\n")
+    assert not _is_error_stream(CHAT_PREAMBLE + b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
+    assert not _is_error_stream(SSE[0] + error)  # an error after a token: bytes were served
+    assert not _is_error_stream(CHAT_PREAMBLE) and not _is_error_stream(b"data: [DONE]\n\n")

@@ -33,7 +33,7 @@ def test_timer_slack_is_a_connector_setting_and_bounded():
 
     from kvpush_common.vllm.settings import ConnectorSettings
 
-    kt = SimpleNamespace(kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config={"timer_slack_s": 0})
+    kt = SimpleNamespace(kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config={"tuning": {"timer_slack_s": 0}})
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
     cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
     assert ConnectorSettings.from_vllm(cfg).endpoint_config(0).validate().timer_slack_s == 0.0  # the kernel's default

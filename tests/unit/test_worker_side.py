@@ -15,7 +15,6 @@ class StubEndpoint:
     def __init__(self):
         self.results = deque()
         self.stats = EndpointStats("P", "producer")
-        self.layers = []
 
     def event(self, *a, **k):
         pass
@@ -23,12 +22,8 @@ class StubEndpoint:
     def kv_ready(self, *a, **k):
         pass
 
-    @staticmethod
-    def layer_chunks(requests):
-        return tuple(requests)
-
-    def layers_ready(self, chunks, first, end):
-        self.layers.append((chunks, first, end))
+    def engine_step(self):
+        self.steps = getattr(self, "steps", 0) + 1
 
     def take_finished(self):
         out, self.results = list(self.results), deque()
@@ -36,7 +31,7 @@ class StubEndpoint:
 
 
 def worker():
-    w = WorkerSide(settings=type("S", (), {"ready_delay_s": 0, "kv_fence": "step"})(), rank=0, make_backend=None)
+    w = WorkerSide(settings=type("S", (), {"kv_fence": "step"})(), rank=0, make_backend=None)
     w._bind(StubEndpoint())
     return w
 
@@ -57,23 +52,8 @@ def test_a_send_is_reported_after_both_its_release_and_its_finish_in_either_orde
     # the engine thread's time in each hook is observed once per call (kvpush_engine_hook_seconds)
     counts = {s.labels["hook"]: s.value for m in w.endpoint.stats.registry.collect() for s in m.samples
               if s.name == "kvpush_engine_hook_seconds_count"}
-    assert counts == {"start_load_kv": 2.0, "transfer_results": 3.0, "save_kv_layer": 0.0}
-
-
-def test_save_kv_layer_hands_each_layer_of_a_streamed_step_over_and_nothing_otherwise():
-    from kvpush_common.vllm.metadata import StreamOp
-
-    w = worker()
-    w._layer_index = {"model.layers.0.attn": 0, "model.layers.1.attn": 1}
-    w.start_load_kv(KVPushMetadata(streams=[StreamOp("a", "ta", 0, (4, 5), 20)]))
-    w.save_kv_layer("model.layers.0.attn")
-    w.save_kv_layer("model.layers.1.attn")
-    w.save_kv_layer("not.a.kv.layer")  # e.g. a layer without its own KV cache: ignored
-    chunk = (("ta", 0, (4, 5), 20),)
-    assert w.endpoint.layers == [(chunk, 0, 1), (chunk, 1, 2)]
-    w.start_load_kv(KVPushMetadata())  # a step with no request being prefilled: the hook does nothing
-    w.save_kv_layer("model.layers.0.attn")
-    assert len(w.endpoint.layers) == 2
+    assert counts == {"start_load_kv": 2.0, "transfer_results": 3.0}
+    assert w.endpoint.steps == 2  # each step offers the endpoint its wake-up (a waiting consumer fetches then)
 
 
 def test_requests_with_no_send_are_forgotten():
@@ -93,13 +73,14 @@ def test_an_id_named_finished_one_step_before_its_send_is_still_reported():
     assert w.transfer_results(set()).finished_sending == {"a"}
 
 
-def test_poll_periods_come_from_the_connector_config():
+def test_poll_periods_come_from_the_connector_configs_tuning():
     from types import SimpleNamespace
 
     from kvpush_common.vllm.settings import ConnectorSettings
 
     kt = SimpleNamespace(kv_role="kv_producer", engine_id="p0",
-                         kv_connector_extra_config={"wire_poll_s": 0.0005, "write_poll_s": 0.0001, "poll_s": 0.002})
+                         kv_connector_extra_config={"tuning": {"wire_poll_s": 0.0005, "write_poll_s": 0.0001,
+                                                               "poll_s": 0.002}})
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
     cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
     ep = ConnectorSettings.from_vllm(cfg).endpoint_config(0)
@@ -148,6 +129,6 @@ def test_a_slow_hook_says_where_its_time_went_when_probed(monkeypatch):
     (_, _, extra), = [e for e in seen if e[0] == "slow_hook"]
     assert extra["gcs"] >= 1 and extra["gc_us"] > 0 and extra["cpu_us"] > 0
     assert extra["sends_us"] >= extra["gc_us"] * 0.9  # the collection ran in the sends phase
-    assert {"streams_us", "recvs_us", "rest_us"} <= extra.keys()
+    assert {"recvs_us", "rest_us"} <= extra.keys()
     assert not [cb for cb in gc.callbacks if getattr(cb, "__self__", None) is not None
                 and type(cb.__self__).__name__ == "GcClock"]  # shutdown removed the probe's callback

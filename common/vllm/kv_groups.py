@@ -1,0 +1,79 @@
+"""Which of vLLM's KV cache groups kvpush can move: one group whose layers share one KV shape.
+
+kvpush hands the scheduler's block ids of group 0 to the core (`request_finished` gets one list, and
+`update_state_after_alloc` reads group 0), and a device backend describes every layer with one
+geometry.  A second group (vLLM's hybrid KV cache manager: sliding-window or local-attention layers
+beside full ones, each group with its own block ids into buffers the groups share) would have its
+layers moved with group 0's block ids: other requests' bytes.  A group mixing KV shapes
+(`UniformTypeKVCacheSpecs`, e.g. an EAGLE drafter beside its target) has no one geometry.  Both are
+refused at start-up, naming the group.  vLLM 0.29 and 0.32 refuse a connector that is not `SupportsHMA` with
+the hybrid manager on when they create it (KVConnectorFactory.create_connector); elsewhere vLLM asserts one
+group only when the first request finishes.  Without --no-disable-hybrid-kv-cache-manager vLLM
+puts a hybrid model's layers in one group and keeps every block of its sliding-window layers, which
+kvpush moves as it moves any layer.
+"""
+
+from __future__ import annotations
+
+HMA_FIX = ("start vLLM without --no-disable-hybrid-kv-cache-manager: kvpush is not a SupportsHMA connector, so vLLM "
+           "then keeps every layer in one group (sliding-window layers keep all their blocks) and kvpush moves them")
+
+
+def _spec_name(spec) -> str:
+    window = getattr(spec, "sliding_window", None)
+    chunk = getattr(spec, "attention_chunk_size", None)
+    extra = f"sliding_window={window}" if window else (f"attention_chunk_size={chunk}" if chunk else "")
+    return f"{type(spec).__name__}({extra})"
+
+
+def _layers(names) -> str:
+    names = list(names)
+    return ", ".join(names[:3]) + (f", ... ({len(names)} layers)" if len(names) > 3 else "")
+
+
+def _shape(spec) -> tuple:
+    return (getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None), str(getattr(spec, "dtype", "")),
+            getattr(spec, "block_size", None))
+
+
+def kv_group_problem(kv_cache_config) -> str | None:
+    """Why kvpush cannot move this KVCacheConfig's KV (None: one group of one KV shape, or not known yet)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) > 1:
+        named = "; ".join(f"group {i}: {_spec_name(g.kv_cache_spec)} for {_layers(g.layer_names)}"
+                          for i, g in enumerate(groups))
+        return (f"vLLM's hybrid KV cache manager split this model's KV cache into {len(groups)} groups ({named}); "
+                f"kvpush moves one group, and group 0's block ids are not the other groups' blocks: {HMA_FIX}")
+    if not groups:
+        return None
+    per_layer = getattr(groups[0].kv_cache_spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    shapes: dict[tuple, list[str]] = {}
+    for name, spec in (per_layer or {}).items():
+        shapes.setdefault(_shape(spec), []).append(name)
+    if len(shapes) > 1:
+        named = "; ".join(f"(kv_heads, head_size, dtype, block_size) {s} for {_layers(n)}" for s, n in shapes.items())
+        return (f"KV cache group 0 ({type(groups[0].kv_cache_spec).__name__}) holds layers of {len(shapes)} KV "
+                f"shapes ({named}), e.g. an EAGLE drafter's beside its target's: kvpush moves layers of one shape; "
+                "serve P and D without that speculative config, or with a drafter of the target's KV shape")
+    return None
+
+
+def sliding_window_of(kv_cache_config) -> tuple[int, int] | None:
+    """(sliding_window, block_size) when the one KV cache group is a sliding-window group (every layer windowed,
+    so vLLM frees the blocks that fall out of the window), else None."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) != 1:
+        return None
+    spec = groups[0].kv_cache_spec
+    window = getattr(spec, "sliding_window", None)
+    if type(spec).__name__ != "SlidingWindowSpec" or not window:
+        return None
+    return int(window), int(spec.block_size)
+
+
+def window_first_token(num_tokens: int, first_token: int, window: int, block_size: int) -> int:
+    """The first token a decode needs of a `num_tokens` prompt in a `window`-token sliding window: the blocks
+    wholly before token num_tokens - window + 1 are never attended again (vLLM's SlidingWindowManager frees
+    exactly those on the prefill side), so they are not asked for."""
+    dropped = max(0, num_tokens - window + 1) // block_size * block_size
+    return min(num_tokens, max(first_token, dropped))
