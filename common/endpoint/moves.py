@@ -72,7 +72,10 @@ class AddressMoves:
     def _followed(self, e: Expect) -> Expect:
         """A NIXL-contract request naming an engine already seen replaced at that address names its successor."""
         new = self._moved.get((e.producer.engine_id, e.producer.host, e.producer.port)) if e.follow_address else None
-        return e if new is None or new.tp_size != e.producer.tp_size else replace(e, producer=new)
+        if new is None or new.tp_size != e.producer.tp_size:
+            return e
+        self.event("followed", e.key, old_engine=e.producer.engine_id, new_engine=new.engine_id)
+        return replace(e, producer=new)
 
     def _note_move(self, old_engine: str, new: ProducerIdentity) -> None:
         for k, v in list(self._moved.items()):  # a chain of restarts: every older name points at the newest

@@ -108,10 +108,14 @@ def test_a_nixl_leg_follows_its_producers_address_to_the_restarted_engine(side):
     finished = []
     steps(d, lambda: finished.extend(d.take_finished()) or finished)
     assert [(r.key, r.ok) for r in finished] == [(TransferKey("t1", 0), True)]
-    # a later leg still naming the old engine goes straight to the new one: no second handshake
+    # a later leg still naming the old engine goes straight to the new one: no second handshake, and the event log
+    # says it followed, as for the first
+    logged = []
+    d.event = lambda ev, key, **kw: logged.append((ev, key.transfer_id, kw))
     d.expect("t2", 0, side.ref("P-old"), [2], 4, follow_address=True)
     d._step()
     assert registrations(d)[-1] == ("P-new/r0", "t2")
+    assert ("followed", "t2", {"old_engine": "P-old", "new_engine": "P-new"}) in logged, logged
 
 
 def test_a_nixl_leg_whose_registration_could_not_reach_the_dead_engine_follows_too(side):
