@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 KV_FAILURES = ("stale_producer", "dead_producer", "kv_failed")  # a decode leg failed for its KV: retried
 GONE = ("connect", "stream")  # the upstream itself is gone (refused, reset): out of the healthy set at once
+# a stream that ended before its first token: with an error event, or with none (vLLM < 0.30's completions,
+# replies.is_empty_stream) -- either may be a failed KV receive, which the decode instance is asked about
+STREAM_ENDS = ("error_event", "empty_stream")
 
 
 class RequestFlow:
@@ -79,6 +82,8 @@ class RequestFlow:
             return False
         if e.cause in KV_FAILURES or e.cause in GONE:
             return True
+        if e.cause == "empty_stream":  # not for its KV: what vLLM streamed is passed on as it came
+            return False
         others = [u for u in self.upstreams.d_instances if u != ctx.route.get("decode") and u not in ctx.failed_decodes]
         return bool(others)
 
@@ -103,14 +108,15 @@ class RequestFlow:
     async def _why_decode_failed(self, ctx: RequestContext, e: LegError) -> LegError:
         """A decode leg answered an error before the client saw a byte: did its KV receive fail?  vLLM
         answers a failed load like a model error (500 "Internal server error", or that as the stream's
-        first event) and drops the connector's kv_transfer_params, so the decode instance is asked
+        first event; before 0.30 a completion stream with no event at all) and drops the connector's
+        kv_transfer_params, so the decode instance is asked
         (`RecvReport`); if it failed, the prefill's identity is probed again, so the retry names who serves
         there now.  The cause says which: another identity (stale_producer), nothing answering
         (dead_producer), the same one (kv_failed)."""
         prefill_url, decode_url = ctx.route.get("prefill"), ctx.route.get("decode")
         status = e.answer.status if e.answer is not None else 0
         if (not self.plan.kvpush_instances or not prefill_url or not decode_url
-                or e.cause not in ("status", "error_event") or not (status >= 500 or e.cause == "error_event")):
+                or e.cause not in ("status", *STREAM_ENDS) or not (status >= 500 or e.cause in STREAM_ENDS)):
             return e
         since = time.monotonic()
         report = await self.identities.recv_report(decode_url, ctx)

@@ -20,7 +20,8 @@ from kvpush_common.router.context import RequestContext
 from kvpush_common.router.legs import decode_body, local_body, prefill_body
 from kvpush_common.router.metrics import RouterMetrics
 from kvpush_common.router.policy import Instance
-from kvpush_common.router.replies import UpstreamReply, first_event, is_error_stream, openai_error, rest_of
+from kvpush_common.router.replies import (UpstreamReply, first_event, is_empty_stream, is_error_stream, openai_error,
+                                          rest_of)
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,12 @@ class Relay:
         except BaseException:
             resp.close()
             raise
-        if ctx.stream and is_error_stream(first):
+        if ctx.stream and (is_error_stream(first) or is_empty_stream(first)):
+            cause = "error_event" if is_error_stream(first) else "empty_stream"
             answer = UpstreamAnswer(resp.status, await rest_of(resp, first),
                                     resp.headers.get("Content-Type", "text/event-stream"))
-            raise LegError("decode", "error_event", f"decode {url} streamed an error first: {first[:300]!r}", answer)
+            what = "an error" if cause == "error_event" else "no output"
+            raise LegError("decode", cause, f"decode {url} streamed {what} first: {first[:300]!r}", answer)
         ctx.stamp("first_byte")
         self.metrics.ttft.labels(self.mode).observe(ctx.stamps["first_byte"] / 1000)
         return DecodeOutput(resp, first)

@@ -100,6 +100,19 @@ async def first_event(resp: aiohttp.ClientResponse, data: bytes) -> bytes:
     return data
 
 
+def is_empty_stream(data: bytes) -> bool:
+    """The stream ended ([DONE], or no bytes at all) before any event but a chat role preamble.  vLLM before
+    0.30 streams a completion that failed before its first token this way -- a failed KV load included --
+    since its check for finish_reason "error" comes after it skips empty chunks: no error event is sent."""
+    for payload in _events(data):
+        if payload == b"[DONE]":
+            return True
+        event = _parse_event(payload)
+        if event is None or not event.preamble:
+            return False
+    return not data
+
+
 def is_error_stream(data: bytes) -> bool:
     for payload in _events(data):
         event = _parse_event(payload)

@@ -74,6 +74,9 @@ class FakeVllm:
     # receive as a kvpush consumer does (handshake: "expected producer X, found Y") and is remembered
     prefills: list["FakeVllm"] = field(default_factory=list)
     failed_recvs: dict = field(default_factory=dict)  # decode: (transfer_id, attempt) -> producer engine id
+    # how a failed completion stream ends: "event" (vLLM 0.30 on: an error event) or "none" (vLLM 0.29: its
+    # error check comes after it skips empty chunks, so the stream is [DONE] alone)
+    stream_errors: str = "event"
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -155,6 +158,9 @@ class FakeVllm:
         if request.path.endswith("/chat/completions"):
             await response.write(CHAT_PREAMBLE)
             await asyncio.sleep(0.02)  # a separate read on the router's side
+        elif self.stream_errors == "none":
+            await response.write(b"data: [DONE]\n\n")
+            return response
         await response.write(b"data: " + json.dumps(VLLM_ERROR).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -679,15 +685,23 @@ async def test_health_follows_the_upstreams():
         resp = await client.get("/health")
         assert resp.status == 200
         d.healthy = False
-        await asyncio.sleep(0.3)
-        resp = await client.get("/health")
-        assert resp.status == 503
+        resp = await health_until(client, 503)
         failed = (await resp.json())["failed"]
         assert list(failed) == client.server.app[ROUTER_KEY].decode_urls
         assert "500" in next(iter(failed.values()))
         d.healthy = True
-        await asyncio.sleep(0.2)
-        assert (await client.get("/health")).status == 200
+        await health_until(client, 200)
+
+
+async def health_until(client, status: int, limit: float = 5.0):
+    """The router's /health once it answers `status` (its probes run every 0.05 s; a loaded machine is late)."""
+    end = time.monotonic() + limit
+    while True:
+        resp = await client.get("/health")
+        if resp.status == status or time.monotonic() > end:
+            assert resp.status == status
+            return resp
+        await asyncio.sleep(0.05)
 
 
 @run_async
@@ -869,6 +883,32 @@ async def test_a_decode_leg_that_failed_for_a_stale_identity_is_retried_with_the
 
 
 @run_async
+async def test_a_failed_receive_that_vllm_029_streams_as_an_empty_completion_is_retried():
+    """vLLM 0.29 (the Neuron plugin's) ends a completion stream whose KV load failed with [DONE] alone, no error
+    event: the router asks D as for an error, learns it was the KV and retries; the client gets every token."""
+    async with router_stack(health_interval_s=60, decode={"stream_errors": "none"}) as (client, [p], d):
+        restart(p, "prefill-0-new")
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        assert resp.status == 200 and await resp.read() == b"".join(SSE)
+        assert [leg.params["attempt"] for leg in d.legs] == [0, 1]
+        assert [leg.params["producer"]["engine_id"] for leg in d.legs] == ["prefill-0", "prefill-0-new"]
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpush_router_failures_total{cause="decode_stale_producer",mode="push"} 1.0' in metrics
+
+
+@run_async
+async def test_an_empty_stream_that_was_not_a_failed_receive_passes_through_as_vllm_sent_it():
+    """D's stream ended with no output and its RecvReport says the KV arrived: the stream is D's answer, relayed
+    as it came and not retried (with two decode instances, not migrated either)."""
+    async with cluster_stack(decodes=2) as (client, [p], ds):
+        for d in ds:
+            d.actions, d.stream_errors = ["error"], "none"
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        assert resp.status == 200 and await resp.read() == b"data: [DONE]\n\n"
+        assert len(ds[0].legs) + len(ds[1].legs) == 1 and not ds[0].failed_recvs
+
+
+@run_async
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_model_error_on_the_only_decode_passes_through_as_vllm_sent_it(stream):
     """D failed the request but not for its KV (its RecvReport says so): nothing to retry with one decode
@@ -967,3 +1007,12 @@ def test_a_chat_streams_role_preamble_is_looked_past_for_an_error():
     assert not _is_error_stream(CHAT_PREAMBLE + b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
     assert not _is_error_stream(SSE[0] + error)  # an error after a token: bytes were served
     assert not _is_error_stream(CHAT_PREAMBLE) and not _is_error_stream(b"data: [DONE]\n\n")
+
+
+def test_a_stream_that_ends_before_any_output_is_told_apart():
+    from kvpush_common.router.replies import is_empty_stream
+
+    assert is_empty_stream(b"data: [DONE]\n\n") and is_empty_stream(b"")
+    assert is_empty_stream(CHAT_PREAMBLE + b"data: [DONE]\n\n")
+    assert not is_empty_stream(SSE[0]) and not is_empty_stream(CHAT_PREAMBLE)  # a token; a stream still open
+    assert not is_empty_stream(b"data: " + json.dumps(VLLM_ERROR).encode() + b"\n\ndata: [DONE]\n\n")
