@@ -155,7 +155,7 @@ def test_push_proxy_learns_identity_then_sends_both_legs_at_once_in_either_order
 
 def test_a_failed_prefill_leg_is_retried_under_a_new_transfer_id(cluster):
     """The first parallel dispatch gives up on its prefill leg at once: the proxy cancels D's leg and retries
-    serially with a fresh transfer_id (as llm-d does).  The answer is exact, the abandoned key never completes,
+    serially with a fresh transfer_id (as llm-d does).  The answer is exact, the abandoned key's receive ends,
     and both instances end up holding nothing."""
     px = proxy(cluster, "push", "proxy-retry", "--first-prefill-timeout-s", "0.01")
     q = prompts()[4]
@@ -165,11 +165,14 @@ def test_a_failed_prefill_leg_is_retried_under_a_new_transfer_id(cluster):
     abandoned, retried = headers["X-Transfer-Ids"].split(",")
     ev = read_events(cluster["events"])
     assert any(e["tid"] == retried and e["ev"] == "received" for e in ev)
-    # D's request for the abandoned key was cancelled: D never used KV under it (P may or may not have written
-    # before D's revoke reached it: either is safe, D freed those blocks only after its fence)
-    assert not any(e["tid"] == abandoned and e["ev"] == "received" for e in ev)
     for server in (cluster["D"], cluster["P"]):  # D's revoked blocks after their fence, P's KV by its lease
         assert not any(settled(server, FENCE_S + 15).values()), server.name
+    # D's request for the abandoned key was cancelled -- before D registered it, or after: then its receive ended
+    # all the same, failed by the abort (its blocks freed only after the fence), or received when P's WRITE won
+    # the race with the cancel on a loaded machine; both safe, the answer came from the retried key
+    mine = [e for e in read_events(cluster["events"]) if e["tid"] == abandoned and e.get("role") == "consumer"]
+    if any(e["ev"] == "recv_staged" for e in mine):
+        assert len({e["ev"] for e in mine} & {"received", "recv_failed"}) == 1, mine
 
 
 BAD_DECODE_LEGS = [
