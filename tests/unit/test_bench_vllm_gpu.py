@@ -45,6 +45,18 @@ def test_point_stats_count_exact_failed_and_quantiles():
     assert s["ttft_p50_ms"] in (200.0, 300.0) and s["ttft_max_ms"] == 400.0 and s["tpot_p50_ms"] == 10.0
 
 
+def test_a_decode_that_overlapped_no_other_requests_wait_for_its_first_token_counts_as_alone():
+    # r0 waits [0, 1], decodes [1, 2]; r1 waits [0.5, 0.7] (inside r0's wait), decodes [0.7, 0.8]; r2 waits
+    # [1.5, 1.6] (inside r0's decode), decodes [1.6, 1.7]; r3 failed (no window, overlaps nothing)
+    rows = [{**row(ttft=1.0, tpot=0.01), "e2e_s": 2.0}, {**row(ttft=0.2, tpot=0.02), "e2e_s": 0.3},
+            {**row(ttft=0.1, tpot=0.005), "e2e_s": 0.2}, {**row("failed", None, None, ""), "e2e_s": None}]
+    arrivals = [0.0, 0.5, 1.5, 1.55]
+    assert bench.alone(rows, arrivals) == [rows[2]]
+    s = bench.point_stats(rows, ["a"] * 4, arrivals)
+    assert (s["decode_alone"], s["tpot_alone_p50_ms"]) == (1, 5.0)
+    assert "decode_alone" not in bench.point_stats(rows, ["a"] * 4)
+
+
 def test_requests_cut_by_the_point_budget_are_neither_failures_nor_inexact():
     rows = [row(), row(), row("cut", None, None, "")]
     s = bench.point_stats(rows, ["a"] * 3)

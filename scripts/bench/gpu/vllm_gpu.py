@@ -39,7 +39,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_summary import (ENGINE_SERIES, STAGES, engine_hook_p99, engine_means,  # noqa: E402,F401
+from vllm_summary import (ENGINE_SERIES, STAGES, alone, engine_hook_p99, engine_means,  # noqa: E402,F401
                           exposed_after_prefill, input_key, label, markdown, plots, point_stats,
                           posted_descs, quantile, slow_hook_detail, slow_hook_key, slow_hooks, split_label,
                           stage_medians, summarize, ttft_mean, wake_split, worker_load, write_stage_means)
@@ -592,7 +592,7 @@ def run_mode(args, cluster: Cluster, result: dict, mode: str, started_pair, sing
             t0 = time.monotonic()
             w0 = time.time()
             rows = run_point(url, prompts, arrivals, args.output_tokens, args.limit_s, args.point_budget_s or None)
-            stats = point_stats(rows, refs[pt])
+            stats = point_stats(rows, refs[pt], arrivals)
             wall += time.monotonic() - t0
             result["points"].append({"mode": name, "runner": cluster.runner, "input_len": pt[0], "rate": pt[1],
                                      **stats, "wall_s": round(time.monotonic() - t0, 1),

@@ -38,7 +38,23 @@ def quantile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def point_stats(rows: list[dict], refs: list[str]) -> dict:
+def alone(rows: list[dict], arrivals: list[float]) -> list[dict]:
+    """The answered requests whose decode (first token to last) overlapped no other request's wait for its first
+    token: on one shared GPU their TPOT is the decode's own, with no prefill of another request beside it."""
+    span = [(a, a + r["ttft_s"], a + r["e2e_s"]) if r["outcome"] == "ok" and r["ttft_s"] is not None
+            and r.get("e2e_s") is not None else None for r, a in zip(rows, arrivals)]
+    out = []
+    for i, (r, own) in enumerate(zip(rows, span)):
+        if own is None or r["tpot_s"] is None:
+            continue
+        _, start, end = own
+        if not any(j != i and other is not None and other[0] < end and start < other[1]
+                   for j, other in enumerate(span)):
+            out.append(r)
+    return out
+
+
+def point_stats(rows: list[dict], refs: list[str], arrivals: list[float] | None = None) -> dict:
     ok = [r for r in rows if r["outcome"] == "ok"]
     exact = sum(r["outcome"] == "ok" and r["text"] == ref for r, ref in zip(rows, refs))
     ttft = [r["ttft_s"] * 1e3 for r in ok if r["ttft_s"] is not None]
@@ -49,7 +65,13 @@ def point_stats(rows: list[dict], refs: list[str]) -> dict:
             "exact": exact,
             "ttft_p50_ms": r1(quantile(ttft, 0.5)), "ttft_p99_ms": r1(quantile(ttft, 0.99)),
             "ttft_max_ms": r1(max(ttft) if ttft else None), "ttft_mean_ms": r1(statistics.mean(ttft) if ttft else None),
-            "tpot_p50_ms": r1(quantile(tpot, 0.5)), "tpot_p99_ms": r1(quantile(tpot, 0.99))}
+            "tpot_p50_ms": r1(quantile(tpot, 0.5)), "tpot_p99_ms": r1(quantile(tpot, 0.99)),
+            **({} if arrivals is None else _alone_stats(alone(rows, arrivals)))}
+
+
+def _alone_stats(rows: list[dict]) -> dict:
+    tpot = [r["tpot_s"] * 1e3 for r in rows]
+    return {"decode_alone": len(rows), "tpot_alone_p50_ms": round(quantile(tpot, 0.5), 2) if tpot else None}
 
 
 def ttft_mean(point: dict) -> float | None:
