@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 KV_FAILURES = ("stale_producer", "dead_producer", "kv_failed")  # a decode leg failed for its KV: retried
 GONE = ("connect", "stream")  # the upstream itself is gone (refused, reset): out of the healthy set at once
 # a stream that ended before its first token: with an error event, or with none (vLLM < 0.30's completions,
-# replies.is_empty_stream) -- either may be a failed KV receive, which the decode instance is asked about
+# replies.failed_start) -- either may be a failed KV receive, which the decode instance is asked about
 STREAM_ENDS = ("error_event", "empty_stream")
 
 

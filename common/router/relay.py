@@ -20,8 +20,7 @@ from kvpush_common.router.context import RequestContext
 from kvpush_common.router.legs import decode_body, local_body, prefill_body
 from kvpush_common.router.metrics import RouterMetrics
 from kvpush_common.router.policy import Instance
-from kvpush_common.router.replies import (UpstreamReply, first_event, is_empty_stream, is_error_stream, openai_error,
-                                          rest_of)
+from kvpush_common.router.replies import UpstreamReply, failed_start, first_event, openai_error, rest_of
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +124,8 @@ class Relay:
         except BaseException:
             resp.close()
             raise
-        if ctx.stream and (is_error_stream(first) or is_empty_stream(first)):
-            cause = "error_event" if is_error_stream(first) else "empty_stream"
+        cause = failed_start(first) if ctx.stream else None
+        if cause is not None:
             answer = UpstreamAnswer(resp.status, await rest_of(resp, first),
                                     resp.headers.get("Content-Type", "text/event-stream"))
             what = "an error" if cause == "error_event" else "no output"

@@ -100,25 +100,18 @@ async def first_event(resp: aiohttp.ClientResponse, data: bytes) -> bytes:
     return data
 
 
-def is_empty_stream(data: bytes) -> bool:
-    """The stream ended ([DONE], or no bytes at all) before any event but a chat role preamble.  vLLM before
-    0.30 streams a completion that failed before its first token this way -- a failed KV load included --
-    since its check for finish_reason "error" comes after it skips empty chunks: no error event is sent."""
+def failed_start(data: bytes) -> str | None:
+    """How a stream's first bytes say nothing was served: "error_event" (an error before any output, after any
+    chat role preamble), "empty_stream" (it ended -- [DONE], or no bytes at all -- before any output: vLLM before
+    0.30 streams a completion that failed before its first token this way, a failed KV load included, since its
+    check for finish_reason "error" comes after it skips empty chunks), or None (output, or not yet known)."""
     for payload in _events(data):
         if payload == b"[DONE]":
-            return True
+            return "empty_stream"
         event = _parse_event(payload)
         if event is None or not event.preamble:
-            return False
-    return not data
-
-
-def is_error_stream(data: bytes) -> bool:
-    for payload in _events(data):
-        event = _parse_event(payload)
-        if event is None or not event.preamble:
-            return event is not None and event.error is not None
-    return False
+            return "error_event" if event is not None and event.error is not None else None
+    return None if data else "empty_stream"
 
 
 async def rest_of(resp: aiohttp.ClientResponse, data: bytes) -> bytes:

@@ -1000,7 +1000,10 @@ async def test_a_prefill_seen_down_gets_requests_again_only_once_its_new_identit
 
 
 def test_a_chat_streams_role_preamble_is_looked_past_for_an_error():
-    from kvpush_common.router.replies import is_error_stream as _is_error_stream
+    from kvpush_common.router.replies import failed_start
+
+    def _is_error_stream(data: bytes) -> bool:
+        return failed_start(data) == "error_event"
 
     error = b"data: " + json.dumps(VLLM_ERROR).encode() + b"\n\n"
     assert _is_error_stream(CHAT_PREAMBLE + error) and _is_error_stream(error + b"data: [DONE]\n\n")
@@ -1010,7 +1013,10 @@ def test_a_chat_streams_role_preamble_is_looked_past_for_an_error():
 
 
 def test_a_stream_that_ends_before_any_output_is_told_apart():
-    from kvpush_common.router.replies import is_empty_stream
+    from kvpush_common.router.replies import failed_start
+
+    def is_empty_stream(data: bytes) -> bool:
+        return failed_start(data) == "empty_stream"
 
     assert is_empty_stream(b"data: [DONE]\n\n") and is_empty_stream(b"")
     assert is_empty_stream(CHAT_PREAMBLE + b"data: [DONE]\n\n")

@@ -39,8 +39,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_summary import (ENGINE_SERIES, STAGES, alone, engine_hook_p99, engine_means,  # noqa: E402,F401
-                          exposed_after_prefill, input_key, label, markdown, plots, point_stats,
+from vllm_summary import (ENGINE_SERIES, STAGES, alone, alone_stats, engine_hook_p99,  # noqa: E402,F401
+                          engine_means, exposed_after_prefill, input_key, label, markdown, plots, point_stats,
                           posted_descs, quantile, slow_hook_detail, slow_hook_key, slow_hooks, split_label,
                           stage_medians, summarize, ttft_mean, wake_split, worker_load, write_stage_means)
 
@@ -464,6 +464,10 @@ def main() -> int:
         return merge(args, ap)
     if args.report:
         result = json.loads(Path(args.report).read_text())
+        for p in result["points"]:  # a run from before these were recorded: its arrivals are the seeded workload's
+            if "decode_alone" not in p and "per_request" in p:
+                _, arrivals = workload(p["input_len"], p["rate"], p["requests"], result["meta"].get("seed", 0))
+                p.update(alone_stats(alone(p["per_request"], arrivals)))
         write(result, Path(args.report).parent, Path(args.report).stem)
         print("\n".join(str(p) for p in plots(result, Path(args.report).with_suffix(""))))
         return 0

@@ -66,10 +66,11 @@ def point_stats(rows: list[dict], refs: list[str], arrivals: list[float] | None 
             "ttft_p50_ms": r1(quantile(ttft, 0.5)), "ttft_p99_ms": r1(quantile(ttft, 0.99)),
             "ttft_max_ms": r1(max(ttft) if ttft else None), "ttft_mean_ms": r1(statistics.mean(ttft) if ttft else None),
             "tpot_p50_ms": r1(quantile(tpot, 0.5)), "tpot_p99_ms": r1(quantile(tpot, 0.99)),
-            **({} if arrivals is None else _alone_stats(alone(rows, arrivals)))}
+            **({} if arrivals is None else alone_stats(alone(rows, arrivals)))}
 
 
-def _alone_stats(rows: list[dict]) -> dict:
+def alone_stats(rows: list[dict]) -> dict:
+    """`decode_alone` (how many) and their TPOT p50, of the rows `alone` kept."""
     tpot = [r["tpot_s"] * 1e3 for r in rows]
     return {"decode_alone": len(rows), "tpot_alone_p50_ms": round(quantile(tpot, 0.5), 2) if tpot else None}
 
