@@ -48,7 +48,7 @@ class CudaTarget:
                 prepend = {"LD_LIBRARY_PATH": args.libfabric_dir}
         else:
             # over UCX kvpush asks for vLLM's cross-layer KV cache (one descriptor per run of blocks), which vLLM
-            # 0.26's default model runner V2 never grants; V1 does (docs/benchmarks/h200-runner-v1-cross-layer.json)
+            # 0.26's default model runner V2 never grants; V1 does
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         notes = [f"{args.role} {args.index}: TP{args.tp} on GPUs {devices}, NIXL {args.backend}"]
         return deploy.server_plan(args, target=self.name, connector=CONNECTOR, module=MODULE, env=env,

@@ -34,15 +34,15 @@ class EndpointConfig:
     # staged transfers (push, whole-block routes): a registered pool of this many bytes, 0 = off
     staging_bytes: int = 0
     staging_chunk_bytes: int = 64 << 20  # one gather / WRITE / scatter unit
-    # stage when the direct plan would post at least this many descriptors: on H200/NVLink a direct WRITE
-    # pays ~4 us per non-contiguous descriptor and staging ~1.2 ms at 512 MiB (h200-fragmentation.json)
+    # stage when the direct plan would post at least this many descriptors: a direct WRITE pays a few us per
+    # non-contiguous descriptor, staging about a millisecond per half GiB gathered
     staging_min_descs: int = 320
     staging_partitions: int = 4  # a consumer lends each producer rank 1/N of its pool (N producer ranks at most)
     poll_s: float = 0.001  # worker poll period while work is outstanding
     # the producer's period while one of its WRITEs is on the wire: NIXL completes it, and sends the consumer
     # its notification, only from our progress calls, so this bounds what completion waits for after the bytes
-    # landed (H200, 128 MiB over cuda_ipc: a 0.08 ms copy seen done 0.43 ms after the post at 0.2 ms, 0.11 ms
-    # at 0.05 ms, h200-handoff-plan.json).  Short-lived (a WRITE lasts 0.1-80 ms), so it can be short.
+    # landed (a 0.1 ms copy over cuda_ipc is seen done within about one period).  Short-lived (a WRITE lasts
+    # 0.1-80 ms), so it can be short.
     write_poll_s: float = 0.00005
     # the consumer's poll while any key waits for its bytes (the whole prefill) when the engine does not step:
     # each engine step wakes the worker then (`engine_step`), so WriteDone is seen once per step, as vLLM's own
@@ -50,7 +50,7 @@ class EndpointConfig:
     wire_poll_s: float = 0.01
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
     # the worker thread's timer slack (Linux): how late the kernel may end its timed waits.  Its default, 50 us,
-    # made a 0.05 ms poll sleep 0.14 ms (timer-slack-cpu.json, h200-handoff-slack-*.json); 0 leaves the kernel's default
+    # nearly triples a 0.05 ms poll's sleep; 0 leaves the kernel's default
     timer_slack_s: float = 1e-6
 
     @property

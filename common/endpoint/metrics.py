@@ -47,13 +47,13 @@ class EndpointStats:
                                          list(labels), registry=self.registry).labels(**labels)
         self.recv_wait_seconds = Histogram("kvpush_recv_wait_seconds", "consumer: blocks registered to KV usable",
                                            list(labels), registry=self.registry).labels(**labels)
-        # where the time between KV ready and a posted WRITE goes (issue 15): wake (engine thread's kv_ready to the
+        # where the time between KV ready and a posted WRITE goes : wake (engine thread's kv_ready to the
         # writer thread taking it), fence (write started to the device fence seen done), plan, post (the NIXL call)
         self.stage_seconds = _Partial(Histogram(
             "kvpush_write_stage_seconds", "producer: one stage between KV ready and a posted WRITE",
             list(labels) + ["stage"], registry=self.registry,
             buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0, 10.0)), labels)
-        # the engine thread's time in kvpush's per-step worker hooks (issue 15 goal: p99 <= 50 us on decode)
+        # the engine thread's time in kvpush's per-step worker hooks (a decode step's budget for them: p99 <= 50 us)
         self.hook_seconds = _Partial(Histogram(
             "kvpush_engine_hook_seconds", "engine thread: one call of a per-step worker hook",
             list(labels) + ["hook"], registry=self.registry,

@@ -1,4 +1,4 @@
-"""Consumer side: a producer restarted under a new engine id on the same side channel (issue 31, drop-in contract).
+"""Consumer side: a producer restarted under a new engine id on the same side channel (the drop-in contract).
 
 vLLM's NIXL contract names a producer by its side channel; the engine id in a leg is what a proxy learned from an
 earlier answer.  When that address answers as another engine, a NIXL-contract request follows it; a kvpush leg

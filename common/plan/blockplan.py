@@ -26,9 +26,8 @@ from kvpush_common.protocol.topology import HeadRoute
 class BlockPlan:
     """Whole blocks, paired in source order.  The per-descriptor index arrays (regions x blocks entries:
     131,072 for a 16k-token request of a 64-layer model) are built only when a transfer posts them: a
-    request whose blocks merge into runs never pays for them (the plan stage took 1.2 ms of the 2.6 ms
-    before a 16k-token push was posted on the H200 while they were built,
-    `docs/benchmarks/h200-handoff-stages.json`)."""
+    request whose blocks merge into runs never pays for them (building them was about half of the time between
+    a 16k-token request's KV ready and its WRITE posted)."""
 
     src_blocks: np.ndarray  # the validated block pairs, sorted by source block
     dst_blocks: np.ndarray
@@ -240,8 +239,8 @@ MERGED_MAX_DESCS = 8192  # above this a merged list costs more to build and post
 def consecutive_start(ids, first: int, count: int, num_blocks: int) -> int | None:
     """b when `ids[first:first + count]` is b, b+1, ..., all in [0, num_blocks) (a fresh allocation, the usual
     case), else None (then the numpy path validates and says what is wrong).  Python ints compared in C, no numpy:
-    the writer thread runs cold after its sleep, where the numpy path's many small calls cost 0.38 ms for a 0.04 ms
-    hot plan (docs/benchmarks/cold-plan-cpu.json; plan stage 0.3-0.45 ms on the H200 host, h200-handoff-plan.json)."""
+    the writer thread runs cold after its sleep, where the numpy path's many small calls cost about ten times a
+    hot plan."""
     if type(ids) not in (list, tuple) or count < 1 or len(ids) < first + count or type(ids[first]) is not int:
         return None
     b = ids[first]

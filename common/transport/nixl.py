@@ -87,8 +87,8 @@ def _quiet_ucx_env() -> None:
 # wheel requires both CUDA variants, so it goes in with --no-deps beside the CUDA 13 build.
 NIXL_VERSION = "1.5.1"
 # Backends whose release of a running transfer does not stop its bytes: LIBFABRIC cancels nothing (NIXL
-# source); UCX cancels its requests, yet bytes already handed to the wire or copied land anyway, measured up
-# to 0.3 s after release over tcp (docs/benchmarks/release-window-cpu.json).  So no running transfer is released.
+# source); UCX cancels its requests, yet bytes already handed to the wire or copied land anyway, up to a few
+# hundred ms after release over tcp.  So no running transfer is released.
 UNCANCELLABLE = ("LIBFABRIC", "UCX")
 NIXL_INSTALL = f"pip install --no-deps nixl=={NIXL_VERSION} nixl-cu13=={NIXL_VERSION}"
 

@@ -1,7 +1,7 @@
 """Where a slow engine hook's time went (only while the event log is on, for `slow_hook` events).
 
-A decode instance's `start_load_kv` passed 50 us about once per received request on the H200; this probe
-found engine-thread work in the block-id hand-over (docs/benchmarks/h200-hook-probe.json).  It tells the
+A decode instance's `start_load_kv` can pass its 50 us budget once per received request (engine-thread work in
+the block-id hand-over was such a case).  It tells the
 candidates apart: the engine thread's own CPU time during the call (wall time far above it means the
 thread waited: for the GIL or for a core), the cyclic garbage collector running inside the call, and the
 hand-over's phases.
