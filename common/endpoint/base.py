@@ -52,7 +52,7 @@ _PR_SET_TIMERSLACK = 29
 def set_timer_slack(ns: int) -> bool:
     """How late the kernel may end the calling thread's timed waits (Linux `prctl(PR_SET_TIMERSLACK)`, per thread;
     0: the thread's default).  The default slack of 50 us is added to every timed wait: a 0.05 ms `Event.wait` took
-    0.14 ms (p50, the CI machine) and 0.09 ms with 1 us (scripts/bench/cpu/timer_slack.py), so the worker's write and wire polls were half as frequent
+    0.14 ms (p50, the CI machine) and 0.09 ms with 1 us (scripts/bench/probes/timer_slack.py), so the worker's write and wire polls were half as frequent
     as configured.  Best effort: False where the call is not there."""
     if not sys.platform.startswith("linux"):
         return False

@@ -2,10 +2,14 @@
 counts their completions, and hands blocks back only when no WRITE into them can still land.
 
 Engine thread: `expect`, `abort`, `take_finished` only enqueue or drain.  Handshakes run in a small
-thread pool (ZMQ only) so one slow producer never delays the others; the worker thread owns NIXL.
+thread pool (ZMQ only) so one slow producer never delays the others (`consumer_handshake.py`); the worker
+thread owns NIXL.
 
-In pull mode the registration is answered with a ReadGrant naming the source blocks; the worker
-thread plans and posts the READ (its ReadResult rides on it to the producer) and polls it.
+This module is the core and the whole-push path (a producer rank's WRITE lands in our blocks, its WriteDone
+counts it done).  The other strategies are mixed in, each in its own module: staged pushes
+(`consumer_staged.py`: lent staging partitions, ChunkWritten scattered) and pull mode (`consumer_pull.py`: the
+registration is answered with a ReadGrant naming the source blocks; the worker thread plans and posts the READ,
+its ReadResult riding on it to the producer, and polls it).  `_on_msg` is where they branch.
 """
 
 from __future__ import annotations
@@ -14,41 +18,27 @@ import collections
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-
-import numpy as np
+from dataclasses import replace
 
 from kvpush_common.state.completion import Completion, Received, SendRevoke
-from kvpush_common.endpoint.base import Endpoint, Peer, incarnation_of
-from kvpush_common.endpoint.handshake import HandshakeError, handshake_codec, request_hello
+from kvpush_common.endpoint.base import Endpoint, Peer
+from kvpush_common.endpoint.consumer_handshake import ProducerHandshakes
+from kvpush_common.endpoint.consumer_pull import PullReads, _Read
+from kvpush_common.endpoint.consumer_staged import StagedChunks
+from kvpush_common.endpoint.handshake import handshake_codec
 from kvpush_common.endpoint.moves import AddressMoves
 from kvpush_common.endpoint.inbox import (Decline, Expect, HandshakeDone, HandshakeFailed, HandshakeMoved, LocalAbort,
                                           block_ids_as_ints)
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
-from kvpush_common.plan.write import plan_write
-from kvpush_common.plan.planner import PlanError
-from kvpush_common.plan.staging import unit_bytes
-from kvpush_common.protocol.topology import producers_for, routes
-from kvpush_common.transport.nixl import TransportError
-from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant, ReadResult,
-                   Register, Revoke, RevokeAck, SlotFree, Staging, Unneeded, WriteDone, WriteFailed)
+from kvpush_common.protocol.topology import producers_for
+from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant,
+                                         Register, Revoke, RevokeAck, Unneeded, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNKS_REMEMBERED = 1 << 16  # chunk notifications remembered to drop repeats (a few MB at most)
 
-
-@dataclass
-class _Read:
-    key: TransferKey
-    producer: tuple[str, int]
-    handle: object
-    posted_at: float
-    deadline: float
-
-
-class ConsumerEndpoint(AddressMoves, Endpoint):
+class ConsumerEndpoint(ProducerHandshakes, StagedChunks, PullReads, AddressMoves, Endpoint):
     role = "consumer"
 
     def __init__(self, *args, **kwargs):
@@ -62,9 +52,10 @@ class ConsumerEndpoint(AddressMoves, Endpoint):
         self._next_heartbeat = 0.0
         self._expected_at: dict[TransferKey, float] = {}
         self._expects: dict[TransferKey, Expect] = {}  # pull mode needs the blocks when the grant comes
-        self._reads: list[_Read] = []
+        self._reads: list[_Read] = []  # consumer_pull.PullReads: READs posted, not settled yet
         self._suspect: set[tuple[str, int]] = set()  # producer ranks to handshake again before the next use
         self._addr: dict[tuple[str, int], tuple[str, int]] = {}  # producer rank -> side channel it answered on
+        # consumer_staged.StagedChunks:
         self._partitions: dict[tuple[str, int], int] = {}  # producer rank -> staging partition lent to it
         self._partition_lock = threading.Lock()  # handshakes run on pool threads
         self._chunks: dict[tuple[TransferKey, tuple[str, int]], set[int]] = {}  # staged chunk indices scattered
@@ -152,6 +143,9 @@ class ConsumerEndpoint(AddressMoves, Endpoint):
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float) -> list:
+        """The one place the strategies branch: a whole push ends with WriteDone, a staged one with its last
+        ChunkWritten (`consumer_staged`); a pull's ReadGrant posts our READ (`consumer_pull`), which ends once
+        `_poll_reads` sees it settle."""
         key = TransferKey(msg.transfer_id, msg.attempt)
         prod = (peer.engine_id, peer.rank)
         if isinstance(msg, WriteDone):
@@ -166,65 +160,6 @@ class ConsumerEndpoint(AddressMoves, Endpoint):
             return self._on_chunk(peer, key, prod, msg, now)
         return []
 
-    # ---- staged pushes ---------------------------------------------------------------------------
-    def _lend_partition(self, prod: tuple[str, int]) -> Staging | None:
-        """Pool thread: the part of our staging pool this producer rank may WRITE chunks into."""
-        if self.staging is None:
-            return None
-        per_part = self._slots_per_partition()
-        with self._partition_lock:
-            idx = self._partitions.get(prod)
-            if idx is None:
-                if len(self._partitions) >= self.cfg.staging_partitions or per_part == 0:
-                    return None  # direct transfers only for this producer rank
-                idx = self._partitions[prod] = len(self._partitions)
-        part = per_part * self.staging.chunk_bytes
-        return Staging(self.staging.addr + idx * part, part, self.staging.device_id, self.staging.chunk_bytes)
-
-    def _slots_per_partition(self) -> int:
-        """Staging slots (chunks) lent to each producer rank: the pool split evenly, remainder unused."""
-        return self.staging.size // self.cfg.staging_partitions if self.staging is not None else 0
-
-    def _on_chunk(self, peer: Peer, key: TransferKey, prod, msg: ChunkWritten, now: float) -> list:
-        """A chunk landed in a slot we lent: scatter it if the key still wants it, then free the slot."""
-        part = self._partitions.get(prod)
-        unit = len(self.layout.regions) * unit_bytes(self.layout)
-        slots = self._slots_per_partition()
-        if (part is None or msg.slot >= slots or msg.count * unit > self.staging.chunk_bytes
-                or not 0 <= msg.chunk < msg.chunks):
-            self.stats.rejected_msgs.labels(reason="bad_chunk").inc()
-            log.warning("dropped ChunkWritten from %s: chunk %d/%d, slot %d, %d blocks outside what we lent",
-                        peer.agent, msg.chunk, msg.chunks, msg.slot, msg.count)
-            return []
-        seen = (key, prod, msg.chunk)
-        if seen in self._chunks_seen:
-            self.stats.rejected_msgs.labels(reason="duplicate_chunk").inc()
-            log.warning("dropped a repeated ChunkWritten %s chunk %d from %s", key, msg.chunk, peer.agent)
-            return []
-        self._chunks_seen[seen] = None
-        while len(self._chunks_seen) > MAX_CHUNKS_REMEMBERED:
-            self._chunks_seen.popitem(last=False)
-        out: list = []
-        e = self._expects.get(key)
-        if e is not None and self.completion.wants_registration(key):
-            if msg.first + msg.count > len(e.block_ids):
-                out = self.completion.on_failed(key, prod, "staged chunk beyond the registered blocks", now)
-            else:
-                addr = self.staging.addr + (part * slots + msg.slot) * self.staging.chunk_bytes
-                try:
-                    self.backend.scatter(np.asarray(e.block_ids[msg.first:msg.first + msg.count]), addr)
-                except Exception as err:  # the blocks may be half written: the key fails, nothing is usable
-                    out = self.completion.on_failed(key, prod, f"scatter failed: {err}", now)
-                else:
-                    done = self._chunks.setdefault((key, prod), set())
-                    done.add(msg.chunk)
-                    if len(done) == msg.chunks:  # every chunk index of this producer rank scattered
-                        del self._chunks[(key, prod)]
-                        out = self.completion.on_done(key, prod, now)
-        self._send(peer, SlotFree(consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank, slot=msg.slot,
-                                  use=msg.use))
-        return out
-
     def _act(self, out: list) -> None:
         for a in out:
             self._guard(self._act_one, a)
@@ -232,8 +167,7 @@ class ConsumerEndpoint(AddressMoves, Endpoint):
     def _act_one(self, a) -> None:
         if isinstance(a, Received):
             e = self._expects.pop(a.key, None)
-            for k in [k for k in self._chunks if k[0] == a.key]:
-                del self._chunks[k]
+            self._forget_chunks(a.key)
             started = self._expected_at.pop(a.key, None)
             if started is not None and a.ok:
                 self.stats.recv_wait_seconds.observe(self.clock() - started)
@@ -304,78 +238,6 @@ class ConsumerEndpoint(AddressMoves, Endpoint):
                                   consumer_engine=self.cfg.engine_id, consumer_rank=self.cfg.rank,
                                   reason=d.reason[:500]))
 
-    def _connect(self, e: Expect | Decline, prod: tuple[str, int]) -> None:
-        """Queue `e` behind a (new) handshake with producer rank `prod`; one handshake per rank at a time."""
-        waiting = self._connecting.setdefault(prod, [])
-        if not waiting:
-            self._pool.submit(self._handshake, e.producer, prod[1])
-        waiting.append(e)
-
-    def _handshake(self, ref: ProducerIdentity, rank: int) -> None:
-        """Pool thread: ZMQ only; the result goes back to the worker through the inbox."""
-        prod = (ref.engine_id, rank)
-        try:
-            hello = request_hello(ref.host, ref.port + rank, self.local_hello(self._lend_partition(prod)),
-                                  self._hello_codec, self.cfg.handshake_timeout_s)
-            reason = self.check_peer_hello(hello, "producer")
-            if reason is None and (hello.rank, hello.tp_size) != (rank, ref.tp_size):
-                reason = (f"expected producer {ref.engine_id} rank {rank} of TP {ref.tp_size}, found "
-                          f"{hello.engine_id} rank {hello.rank} of TP {hello.tp_size}")
-            if reason is None and hello.write_timeout_ms > self.cfg.write_timeout_s * 1000:
-                # our fence wait after a revoke assumes no WRITE outlives our own write_timeout_s
-                reason = (f"producer write_timeout_s {hello.write_timeout_ms / 1000:g} exceeds this consumer's "
-                          f"{self.cfg.write_timeout_s:g}: raise the consumer's write_timeout_s")
-            addr = (ref.host, ref.port + rank)
-            if reason is None and hello.engine_id != ref.engine_id:
-                self._enqueue(HandshakeMoved(prod, hello, addr, f"expected producer {ref.engine_id} rank {rank} of "
-                                                                f"TP {ref.tp_size}, found {hello.engine_id} rank "
-                                                                f"{hello.rank} of TP {hello.tp_size}"))
-                return
-            self._enqueue(HandshakeFailed(prod, reason) if reason else HandshakeDone(prod, hello, addr))
-        except HandshakeError as err:
-            self._enqueue(HandshakeFailed(prod, str(err)))
-        except Exception as err:  # never lose the waiting requests
-            log.exception("handshake crashed")
-            self._enqueue(HandshakeFailed(prod, f"handshake crashed: {err!r}"))
-
-    def _on_peer_ok(self, prod, hello, now: float, addr=None) -> list:
-        out: list = []
-        self._suspect.discard(prod)
-        old = self._peers.get(prod)
-        if old is not None and old.incarnation == incarnation_of(hello):
-            peer = old  # the same process answered: keep its agent and connection
-            self._last_seen[prod] = now
-        else:
-            if old is not None and addr is not None and self._addr.get(prod) == addr:
-                # A new process answers on the old one's side-channel port, which the old one held until it
-                # exited: nothing more can land from it.  Keys it owed end now instead of at their fence.
-                log.warning("producer %s rank %d restarted: failing the keys its old process owed", *prod)
-                self.stats.peers_evicted.inc()
-                retrying = {e.key for e in self._connecting.get(prod, [])}  # their sends never got through
-                for key in self.completion.keys_registered_with(prod) - retrying:
-                    out += self.completion.on_failed(key, prod, "producer restarted", now)
-            try:
-                peer = self._add_peer(hello)
-            except TransportError as err:
-                return out + self._on_peer_fail(prod, f"could not load producer agent: {err}", now)
-        if addr is not None:
-            out += self._retire_replaced(prod, addr, now)
-            self._addr[prod] = addr
-        for e in self._connecting.pop(prod, []):
-            if isinstance(e, Decline):
-                self._send_unneeded(e, peer)
-            elif self.completion.wants_registration(e.key):
-                out += self._register(e, peer, now)
-        return out
-
-    def _on_peer_fail(self, prod, reason: str, now: float) -> list:
-        log.warning("handshake with producer %s rank %d failed: %s", prod[0], prod[1], reason)
-        out: list = []
-        for e in self._connecting.pop(prod, []):
-            if isinstance(e, Expect):  # a Decline is best effort: the producer's lease frees that KV
-                out += self.completion.on_failed(e.key, prod, f"handshake failed: {reason}", now)
-        return out
-
     def _register(self, e: Expect, peer: Peer, now: float, retry: bool = False) -> list:
         prod = (peer.engine_id, peer.rank)
         self.completion.on_registered(e.key, prod)  # from now on a WRITE may land
@@ -393,57 +255,6 @@ class ConsumerEndpoint(AddressMoves, Endpoint):
             self._connect(e, prod)
             return []
         return self.completion.on_failed(e.key, prod, "could not send the registration", now)
-
-    # ---- pull mode -------------------------------------------------------------------------------
-    def _read_result(self, peer: Peer, key: TransferKey, ok: bool, reason: str = "") -> ReadResult:
-        return ReadResult(transfer_id=key.transfer_id, attempt=key.attempt, consumer_engine=self.cfg.engine_id,
-                          consumer_rank=self.cfg.rank, ok=ok, reason=reason[:500])
-
-    def _on_grant(self, peer: Peer, g: ReadGrant, now: float) -> list:
-        key, prod = TransferKey(g.transfer_id, g.attempt), (peer.engine_id, peer.rank)
-        e = self._expects.get(key)
-        if e is None or not self.completion.wants_registration(key):
-            # ended or failing: unpin the producer's blocks without reading
-            self._send(peer, self._read_result(peer, key, False, "request no longer wants the KV"))
-            return []
-        try:
-            if g.num_tokens != e.num_tokens:
-                raise PlanError(f"producer has {g.num_tokens} tokens, this request expects {e.num_tokens}")
-            route = next(r for r in routes(self.cfg.total_kv_heads, peer.tp_size, self.cfg.tp_size)
-                         if r.src_rank == peer.rank and r.dst_rank == self.cfg.rank)
-            plan = plan_write(peer.layout, self.layout, route, g.block_ids, e.block_ids, num_tokens=g.num_tokens,
-                              dst_first_token=e.first_token)
-            notif = self.codec.encode(self._read_result(peer, key, True))
-            handle = self.transport.post("READ", peer.agent, plan.dst, plan.src, self.layout.mem_type,
-                                         peer.layout.mem_type, notif)
-        except (PlanError, TransportError, StopIteration) as err:
-            self._send(peer, self._read_result(peer, key, False, str(err)))
-            return self.completion.on_failed(key, prod, f"read not posted: {err}", now)
-        bound = min(self.cfg.write_timeout_s, peer.write_timeout_s)  # the producer unpins after its own bound
-        self._reads.append(_Read(key, prod, handle, now, now + bound))
-        self.stats.writes_posted.inc()
-        self.stats.descs_posted.inc(plan.num_descs)
-        self.event("read_posted", key, producer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs)
-        return []
-
-    def _poll_reads(self, now: float) -> list:
-        out: list = []
-        for r in list(self._reads):
-            state = self._settle(r.handle, now, r.deadline)
-            if state is None:
-                continue  # still running (and not cancellable yet): it may still write into our blocks
-            self._reads.remove(r)
-            peer = self._peers.get(r.producer)
-            if state == "DONE":  # our blocks hold the KV; its ReadResult went to the producer on the READ
-                self.stats.writes_done.inc()
-                self.stats.xfer_seconds.observe(now - r.posted_at)
-                out += self.completion.on_done(r.key, r.producer, now)
-            else:
-                reason = "READ failed" if state == "ERR" else "READ timed out"
-                if peer is not None:
-                    self._send(peer, self._read_result(peer, r.key, False, reason))
-                out += self.completion.on_failed(r.key, r.producer, reason, now)
-        return out
 
     def _heartbeat(self) -> None:
         for prod, keys in self.completion.waiting_keys().items():

@@ -1,12 +1,16 @@
-"""Producer (prefill) rank: serves handshakes, matches registrations with ready KV, posts WRITEs.
+"""Producer (prefill) rank: serves handshakes, matches registrations with ready KV, moves it to every consumer rank.
 
-In pull mode (`EndpointConfig.mode == "pull"`) the match sends a ReadGrant instead of posting: the
-consumer READs, and the source blocks stay pinned until its ReadResult or the grant's deadline.
+Engine thread: `kv_ready`, `abort`, `take_finished` only enqueue or drain.  The worker thread owns NIXL: it decodes
+registrations, runs the rendezvous, waits for the device's KV fence, then hands each destination rank to one
+transfer strategy, and sends WriteFailed whenever a destination will not be (fully) written.  Reading path: this
+file (the core: inbox, messages, fence, dispatch), then one file per strategy, each a mixin on this class:
 
-Engine thread: `kv_ready`, `abort`, `take_finished` only enqueue or drain.  The worker thread owns
-NIXL: it decodes registrations, runs the rendezvous, plans descriptors, posts one WRITE per
-destination rank with a WriteDone notification riding on it, polls completion, and sends
-WriteFailed whenever a destination will not be (fully) written.
+- `producer_push.py`: the whole-request push, one WRITE per destination rank (the default);
+- `producer_staged.py`: the staged push, through staging chunks, for fragmented blocks when both sides offer staging;
+- `producer_pull.py`: pull mode (`EndpointConfig.mode == "pull"`): a ReadGrant, and the blocks pinned while the
+  consumer READs.
+
+Push and pull part in one place, `_poll_fence`; each in-flight kind (`transfers.py`) has its poll in `_polls`.
 """
 
 from __future__ import annotations
@@ -14,27 +18,27 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-import numpy as np
-
-from kvpush_common.plan.blockplan import BlockPlan, block_granular, block_runs, descs_per_run, unit_table
-from kvpush_common.plan.write import plan_write
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.handshake import HandshakeServer
 from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort, block_ids_as_ints
+from kvpush_common.endpoint.producer_pull import PullGrants
+from kvpush_common.endpoint.producer_push import DirectPushes
+from kvpush_common.endpoint.producer_staged import StagedPushes
 from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, StagedPush, Transfer
-from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.plan.planner import PlanError, plan_transfer
-from kvpush_common.plan.staging import LentSlots, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
-from kvpush_common.state.rendezvous import Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck, StartWrite
+from kvpush_common.plan.staging import LentSlots
+from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.topology import routes_from
+from kvpush_common.protocol.wire import (Heartbeat, Hello, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
+                                         Unneeded, WriteDone, WriteFailed)
+from kvpush_common.state.rendezvous import (Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck,
+                                            StartWrite)
 from kvpush_common.transport.nixl import TransportError
-from kvpush_common.protocol.wire import (ChunkWritten, Heartbeat, Hello, ReadGrant, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
-                   Unneeded, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
 
-class ProducerEndpoint(Endpoint):
+class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
     role = "producer"
 
     def __init__(self, *args, **kwargs):
@@ -153,10 +157,7 @@ class ProducerEndpoint(Endpoint):
         self._poll_inflight()
         if now >= self._next_prune:  # forget the sender of registrations whose entry has ended
             self._next_prune = now + 1.0
-            for dest, slots in self._peer_slots.items():  # slots whose SlotFree was lost come back
-                if n := slots.reclaim(now):
-                    self.stats.slots_reclaimed.inc(n)
-                    log.warning("took back %d staging slots of %s whose SlotFree never came", n, dest)
+            self._reclaim_slots(now)
             self._reg_from = {k: v for k, v in self._reg_from.items() if self.rendezvous.entry_state(k[0]) is not None}
         if now >= self._next_evict:
             self._evict_idle(now, {i.dest for i in self._inflight})
@@ -219,15 +220,7 @@ class ProducerEndpoint(Endpoint):
         if isinstance(msg, ReadResult):
             return self._on_read_result(key, dest, msg, now)
         if isinstance(msg, SlotFree):
-            slots = self._peer_slots.get(dest)
-            try:
-                if slots is None:
-                    raise ValueError("no staging slots lent by this consumer rank")
-                slots.give(msg.slot, msg.use or None)
-            except ValueError as e:
-                self.stats.rejected_msgs.labels(reason="bad_slot").inc()
-                log.warning("ignored SlotFree from %s: %s", peer.agent, e)
-            return []
+            return self._on_slot_free(peer, dest, msg)
         if isinstance(msg, Heartbeat):
             self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
                                          peer.engine_id, arrived_after)
@@ -303,193 +296,27 @@ class ProducerEndpoint(Endpoint):
         peer = self._peers.get(a.dest)
         if peer is None or not self._same_incarnation(a, peer):  # it restarted while we waited for the fence
             return self._fail_write(a, "unknown_consumer", "consumer rank restarted since it registered", now)
-        if self.cfg.mode == "pull":
+        if self.cfg.mode == "pull":  # the one place push and pull part
             return self._grant(a, peer, now)
         route = self._route_to(peer)
-        staged = self._staged_plan(a, peer, route)
-        if staged is not None:
-            self.stats.stage_seconds.labels(stage="fence").observe(fence_s)
-            push = StagedPush(a, t_post, item.deadline, staged.src_blocks.size * staged.nbytes_per_block, staged)
-            self._inflight.append(push)
-            self.event("posted", a.key, consumer_rank=peer.rank, nbytes=push.nbytes, descs=staged.chunks, staged=True)
-            self.stats.writes_posted.inc()
-            self.stats.writes_staged.inc()
-            return self._advance_staged(push, now)
-        prepped = self._remote_prepped.get(a.dest)
-        try:
-            plan = plan_write(self.layout, peer.layout, route, a.ready.block_ids, a.reg.block_ids,
-                              num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token,
-                              prepped=prepped is not None)
-        except PlanError as e:
-            return self._fail_write(a, "bad_registration", str(e), now)
-        notif = self.codec.encode(self._done_msg(a.key, plan.nbytes, plan.num_descs))
-        t_planned = self.clock()
-        try:
-            if isinstance(plan, BlockPlan):
-                handle = self.transport.post_prepped("WRITE", prepped[0], plan.local_idx, prepped[1],
-                                                     plan.remote_idx, notif)
-            else:
-                handle = self.transport.post("WRITE", peer.agent, plan.src, plan.dst, self.layout.mem_type,
-                                             peer.layout.mem_type, notif)
-        except TransportError as e:
-            return self._fail_write(a, "post_failed", str(e), now)
-        t_posted = self.clock()
-        self._inflight.append(DirectWrite(a, t_post, item.deadline, plan.nbytes, handle))
-        stages = {"fence": fence_s, "plan": t_planned - t_post, "post": t_posted - t_planned}
-        for stage, seconds in stages.items():
-            self.stats.stage_seconds.labels(stage=stage).observe(seconds)
-        self.event("posted", a.key, consumer_rank=peer.rank, nbytes=plan.nbytes, descs=plan.num_descs,
-                   from_token=a.reg.first_token,
-                   **{f"{stage}_ms": round(seconds * 1e3, 3) for stage, seconds in stages.items()})
-        self.stats.writes_posted.inc()
-        if isinstance(plan, BlockPlan):
-            self.stats.writes_prepped.inc()
-        self.stats.descs_posted.inc(plan.num_descs)
-        self.stats.post_seconds.observe(self.clock() - t_post)
-        return []
+        started = self._start_staged(a, peer, route, t_post, fence_s, item.deadline, now)
+        if started is not None:
+            return started
+        return self._post_direct(a, peer, route, t_post, fence_s, item.deadline, now)
 
     def _same_incarnation(self, a: StartWrite, peer: Peer) -> bool:
         """Block ids in a registration name memory of the process that sent it, never of its successor."""
         return self._reg_from.get((a.key, a.dest), peer.incarnation) == peer.incarnation
 
-    def _grant(self, a: StartWrite, peer: Peer, now: float) -> list:
-        """Pull mode: the KV is complete; let the consumer READ it.  Pinned until its ReadResult, or
-        until write_timeout_s + fence_grace_s (the consumer gives up its READ after write_timeout_s)."""
-        grant = ReadGrant(transfer_id=a.key.transfer_id, attempt=a.key.attempt, producer_engine=self.cfg.engine_id,
-                          producer_rank=self.cfg.rank, block_ids=list(a.ready.block_ids),
-                          num_tokens=a.ready.num_tokens)
-        if not self._send(peer, grant):
-            return self._fail_write(a, "post_failed", "could not send the read grant", now)
-        self._inflight.append(ReadPin(a, now, now + self.cfg.write_timeout_s + self.cfg.fence_grace_s))
-        self.stats.writes_posted.inc()
-        self.event("granted", a.key, consumer_rank=peer.rank)
-        return []
-
-    def _on_read_result(self, key: TransferKey, dest: Dest, msg: ReadResult, now: float) -> list:
-        item = next((i for i in self._inflight if isinstance(i, ReadPin) and i.key == key and i.dest == dest), None)
-        if item is None:
-            return []  # duplicate, or after the grant's deadline (already failed)
-        self._inflight.remove(item)
-        self.event("read_" + ("done" if msg.ok else "failed"), key, consumer_rank=dest[1])
-        if msg.ok:
-            self.stats.writes_done.inc()
-            self.stats.xfer_seconds.observe(now - item.posted_at)
-            return self.rendezvous.on_write_result(key, dest, True, now)
-        self.stats.writes_failed.labels(code="read_failed").inc()
-        return self.rendezvous.on_write_result(key, dest, False, now)
-
     def _route_to(self, peer: Peer):
         return next(r for r in self._routes(peer.tp_size) if r.dst_rank == peer.rank)
 
     def _prepare_peer(self, peer: Peer) -> None:
-        """Prep per-block descriptor lists for this consumer rank once, if the geometry allows it."""
+        """What posting to this consumer rank needs, set up once per handshake (a restarted rank's anew)."""
         dest = (peer.engine_id, peer.rank)
-        self._peer_slots.pop(dest, None)  # a restarted consumer lends new slots (in-flight chunks keep theirs)
-        if self.staging is not None and peer.staging is not None and peer.staging.nbytes >= peer.staging.chunk_bytes:
-            self._peer_slots[dest] = LentSlots(peer.staging.addr, peer.staging.nbytes, peer.staging.chunk_bytes,
-                                              peer.staging.device_id)
-        old = self._remote_prepped.pop(dest, None)
-        if old is not None:  # the consumer rank restarted: its memory and agent are new
-            try:
-                self.transport.release_prepped(old[1])
-            except TransportError as e:
-                log.warning("releasing stale prepped list of %s: %s", peer.agent, e)
-        route = self._route_to(peer)
-        if self.cfg.mode == "pull" or not (self.cfg.prepped_lists and block_granular(self.layout, peer.layout, route)):
-            return
-        try:
-            hk = (route.src_head_start, route.num_heads)
-            if hk not in self._local_prepped:
-                self._local_prepped[hk] = self.transport.prep(None, unit_table(self.layout, *hk), self.layout.mem_type)
-            remote = self.transport.prep(peer.agent, unit_table(peer.layout, route.dst_head_start, route.num_heads),
-                                         peer.layout.mem_type)
-            self._remote_prepped[dest] = (self._local_prepped[hk], remote)
-        except TransportError as e:
-            log.warning("prepped lists for %s unavailable, using per-request lists: %s", peer.agent, e)
-
-    # ---- staged pushes -------------------------------------------------------------------------------
-    def _staged_plan(self, a: StartWrite, peer: Peer, route) -> StagedWrite | None:
-        """A staged push when both sides offered staging, the route moves whole blocks, and the direct
-        plan would post at least staging_min_descs descriptors; else None (direct)."""
-        slots = self._peer_slots.get(a.dest)
-        if slots is None or self.staging is None or not whole_block_units(self.layout, peer.layout, route):
-            return None
-        if not (slots.free and self.staging.free):  # pool exhausted: do not queue behind it, go direct
-            self.stats.staging_exhausted.inc()
-            return None
-        try:
-            s, d = staged_pairs(self.layout, peer.layout, a.ready.block_ids, a.reg.block_ids,
-                                num_tokens=a.ready.num_tokens, dst_first_token=a.reg.first_token)
-            order = np.argsort(s, kind="stable")
-            runs = block_runs(s[order], d[order])[0].size
-            if descs_per_run(self.layout, peer.layout, route) * runs < self.cfg.staging_min_descs:
-                return None
-            per_chunk = blocks_per_chunk(self.layout, min(self.staging.chunk_bytes, slots.chunk_bytes))
-        except PlanError:
-            return None  # the direct path reports the same error
-        return StagedWrite(s, per_chunk, len(self.layout.regions) * unit_bytes(self.layout))
-
-    def _advance_staged(self, item: StagedPush, now: float) -> list:
-        """Poll the chunk WRITEs, gather and post the next chunks while slots are free, finish or fail."""
-        st, peer, slots = item.plan, self._peers.get(item.dest), self._peer_slots.get(item.dest)
-        for entry in list(st.inflight):
-            handle, local, remote, pool = entry
-            state = self._settle(handle, now, item.deadline)
-            if state is None:
-                continue  # in flight (or past its deadline but not cancellable yet)
-            st.inflight.remove(entry)
-            self.staging.give(local)
-            if state == "DONE":
-                st.done_chunks += 1
-                pool.landed(remote, now, self.cfg.write_timeout_s + self.cfg.fence_grace_s)
-            else:  # never landed: the consumer will not free this slot, so it comes back here
-                pool.give(remote)
-                st.failed = st.failed or ("chunk WRITE ended in ERR" if state == "ERR" else "chunk WRITE timed out")
-        if now >= item.deadline:
-            st.failed = st.failed or "staged transfer timed out"
-        if peer is None or slots is None:
-            st.failed = st.failed or "consumer rank gone"
-        while not st.failed and st.next_chunk < st.chunks:
-            local = self.staging.take()
-            remote = slots.take() if local is not None else None
-            if remote is None:  # back-pressure: wait for our WRITEs or the consumer's SlotFree
-                if local is not None:
-                    self.staging.give(local)
-                break
-            first, count = st.span(st.next_chunk)
-            nbytes = count * st.nbytes_per_block
-            try:
-                self.backend.gather(st.src_blocks[first:first + count], self.staging.slot_addr(local))
-                notif = self.codec.encode(ChunkWritten(
-                    transfer_id=item.key.transfer_id, attempt=item.key.attempt, producer_engine=self.cfg.engine_id,
-                    producer_rank=self.cfg.rank, chunk=st.next_chunk, chunks=st.chunks, slot=remote, first=first,
-                    count=count, use=slots.use_of(remote)))
-                handle = self.transport.post(
-                    "WRITE", peer.agent, np.array([[self.staging.slot_addr(local), nbytes, self.staging.device_id]], np.uint64),
-                    np.array([[slots.slot_addr(remote), nbytes, slots.device_id]], np.uint64),
-                    self.layout.mem_type, peer.layout.mem_type, notif)
-            except Exception as e:  # gather or post failed: nothing of this chunk was sent
-                self.staging.give(local)
-                slots.give(remote)
-                st.failed = f"chunk {st.next_chunk} not posted: {e}"
-                break
-            st.inflight.append((handle, local, remote, slots))
-            st.next_chunk += 1
-        if st.inflight:
-            return []
-        if st.failed:
-            self._inflight.remove(item)
-            self.event("write_failed", item.key, state="staged")
-            return self._fail_write(item.start, "write_timeout" if "timed out" in st.failed else "write_error",
-                                    st.failed, now)
-        if st.done_chunks == st.chunks:
-            self._inflight.remove(item)
-            self.event("write_done", item.key, state="DONE", staged=True)
-            self.stats.writes_done.inc()
-            self.stats.bytes_written.inc(item.nbytes)
-            self.stats.xfer_seconds.observe(now - item.posted_at)
-            return self.rendezvous.on_write_result(item.key, item.dest, True, now)
-        return []
+        self._lend_slots(peer, dest)
+        if self.cfg.mode == "push":
+            self._prepare_prepped(peer, dest)
 
     def _done_msg(self, key: TransferKey, nbytes: int, ndescs: int) -> WriteDone:
         return WriteDone(transfer_id=key.transfer_id, attempt=key.attempt, producer_engine=self.cfg.engine_id,
@@ -502,22 +329,3 @@ class ProducerEndpoint(Endpoint):
             actions += self._polls[type(item)](item, now)
         self._run(actions, now)
 
-    def _poll_pin(self, item: ReadPin, now: float) -> list:
-        if now < item.deadline:
-            return []
-        self._inflight.remove(item)  # the consumer's READ bound has passed: unpin
-        return self._fail_write(item.start, "read_timeout", "no ReadResult before the deadline", now)
-
-    def _poll_direct(self, item: DirectWrite, now: float) -> list:
-        state = self._settle(item.handle, now, item.deadline)
-        if state is None:
-            return []  # in flight (or past its deadline but not cancellable yet: keep polling)
-        self._inflight.remove(item)
-        self.event("write_" + ("done" if state == "DONE" else "failed"), item.key, state=state)
-        if state == "DONE":
-            self.stats.writes_done.inc()
-            self.stats.bytes_written.inc(item.nbytes)
-            self.stats.xfer_seconds.observe(now - item.posted_at)
-            return self.rendezvous.on_write_result(item.key, item.dest, True, now)
-        code = "write_error" if state == "ERR" else "write_timeout"
-        return self._fail_write(item.start, code, f"NIXL WRITE ended in {state}", now)
