@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_cpu_sweep_serves_every_request_with_the_right_bytes(tmp_path):
     out = tmp_path / "el.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/engine_loop.py"), "--cpu", "--lengths", "256",
+    subprocess.run([sys.executable, "-m", "scripts.bench.handoff.engine_loop", "--cpu", "--lengths", "256",
                     "--rates", "4", "--block-sizes", "16", "--geometry", '{"num_layers": 2, "head_dim": 64}',
                     "--pool-gib", "0.02", "--out-tokens", "4", "--point-seconds", "0.5", "--min-requests", "3",
                     "--warmup", "1", "--cpu-time-scale", "0.3", "--verify", "all", "--out", str(out)],
-                   check=True, timeout=240, capture_output=True)
+                   check=True, timeout=240, capture_output=True, cwd=ROOT)
     doc = json.loads(out.read_text())
     points = [p for r in doc["results"] for p in r["points"]]
     assert sorted(p["mode"] for p in points) == ["kvpush-pull", "push", "vllm-pull"]
@@ -35,12 +35,12 @@ def test_cpu_sweep_with_several_ranks_per_engine(tmp_path, p_tp, d_tp):
     """Prefill and decode engines of several ranks (a process each, heads split or gathered across
     ranks): every request is served with every rank's bytes checked."""
     out = tmp_path / "el.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/engine_loop.py"), "--cpu", "--modes", "push",
+    subprocess.run([sys.executable, "-m", "scripts.bench.handoff.engine_loop", "--cpu", "--modes", "push",
                     "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--lengths", "256", "--rates", "4",
                     "--block-sizes", "16", "--geometry", '{"num_layers": 2, "head_dim": 64}', "--pool-gib", "0.02",
                     "--out-tokens", "4", "--point-seconds", "0.5", "--min-requests", "3", "--warmup", "1",
                     "--cpu-time-scale", "0.3", "--verify", "all", "--out", str(out)],
-                   check=True, timeout=240, capture_output=True)
+                   check=True, timeout=240, capture_output=True, cwd=ROOT)
     doc = json.loads(out.read_text())
     ranks = doc["meta"]["ranks"]
     assert (ranks["p_tp"], ranks["d_tp"], ranks["total_kv_heads"]) == (p_tp, d_tp, max(p_tp, d_tp))

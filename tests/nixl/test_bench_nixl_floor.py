@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bare_nixl_push_is_timed_from_post_to_notification(tmp_path):
     out = tmp_path / "floor.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/nixl_floor.py"), "--kind", "host", "--tokens", "256,512",
-                    "--reps", "2", "--out", str(out)], check=True, timeout=240, capture_output=True)
+    subprocess.run([sys.executable, "-m", "scripts.bench.probes.nixl_floor", "--kind", "host", "--tokens", "256,512",
+                    "--reps", "2", "--out", str(out)], check=True, timeout=240, capture_output=True, cwd=ROOT)
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [256, 512]
     for r in rows:

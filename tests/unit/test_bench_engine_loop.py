@@ -1,7 +1,6 @@
 """The engine-loop benchmark's checks that need no transfer: argument refusals and the byte patterns of its
 slabs.  Its CPU sweeps over real NIXL are tests/nixl/test_bench_engine_loop_sweeps.py."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_vllm_style_pull_refuses_several_ranks(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/engine_loop.py"), "--cpu", "--modes",
+    run = subprocess.run([sys.executable, "-m", "scripts.bench.handoff.engine_loop", "--cpu", "--modes",
                           "push,vllm-pull", "--p-tp", "2", "--out", str(tmp_path / "x.json")],
-                         timeout=60, capture_output=True, text=True)
+                         timeout=60, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode != 0 and "vllm-pull" in run.stderr and not (tmp_path / "x.json").exists()
 
 
@@ -23,9 +22,8 @@ def test_slab_patterns_are_per_model_wide_head_in_the_layouts_own_byte_order():
     block holds pattern(seq, model-wide head), read back here through the independent layout reference."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("kvslab", ROOT / "scripts/bench/gpu/kvslab.py")
-    kvslab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kvslab)
+    from scripts.bench.handoff import kvslab
+
     KVSlab, count_wrong_heads, fill_heads, pattern = kvslab.KVSlab, kvslab.count_wrong_heads, kvslab.fill_heads, kvslab.pattern
     from kvpush_common.testing.kvref import logical_view
 

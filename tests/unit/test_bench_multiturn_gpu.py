@@ -1,13 +1,7 @@
 """The GPU multi-turn benchmark's statistics (scripts/bench/gpu/multiturn_gpu.py): per-mode rows from requests
 and router timelines, and the summary ratios the README quotes."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("multiturn_gpu", ROOT / "scripts/bench/gpu/multiturn_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from scripts.bench.gpu import multiturn_gpu as bench
 
 
 def req(turn, ttft, tpot=0.005, outcome="ok", exact=True):

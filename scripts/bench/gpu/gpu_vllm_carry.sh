@@ -7,7 +7,7 @@
 #   run(command="mkdir -p /tmp/g && cp .carry-gpu/part.00 /tmp/g/", carry=[".carry-gpu/part.00"])
 #   run(command="cp .carry-gpu/part.01 /tmp/g/", carry=[".carry-gpu/part.01"])
 #   run(command="cp .carry-gpu/part.02 /tmp/g/", carry=[".carry-gpu/part.02"])
-#   run(command="cp .carry-gpu/part.03 /tmp/g/ && . scripts/bench/gpu/gpu_vllm_env.sh && python3 scripts/bench/gpu/vllm_gpu.py ...",
+#   run(command="cp .carry-gpu/part.03 /tmp/g/ && . scripts/bench/gpu/gpu_vllm_env.sh && cd /tmp/kvpush && python3 -m scripts.bench.e2e --device cuda --workload single ...",
 #       carry=[".carry-gpu/part.03"])
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)

@@ -17,7 +17,7 @@ mode runs on the same instance after /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1
 that fails.  Conversations start --stagger-s apart; within one, turn n+1 is sent when turn n's answer is in.
 TTFT and TPOT are client side, streaming.  Modes run one after another (a mode's servers stop first).
 
-    python3 scripts/bench/gpu/multiturn_gpu.py --eager --out /tmp/mt/out --workdir /tmp/mt
+    python3 -m scripts.bench.e2e --device cuda --workload multiturn --eager --out /tmp/mt/out --workdir /tmp/mt
 
 A device call runs at most 10 minutes: start it detached from /tmp/kvpush (gpu_vllm_env.sh copies the tree
 there), `(setsid nohup python3 ... > /tmp/mt/bench.log 2>&1 &)`, and collect /tmp/mt/out in later calls.
@@ -29,16 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_gpu import (ROOT, SHAPES, VOCAB, Cluster, Proc, get, kv_config, make_model, quantile,  # noqa: E402
-                      scrape, stream_one, wait_healthy)
+from scripts.bench import rerun_command
+from scripts.bench.gpu.vllm_gpu import (ROOT, SHAPES, VOCAB, Cluster, Proc, get, kv_config, make_model, quantile,
+                                        scrape, stream_one, wait_healthy)
 
 MODES = ("single", "push-reuse", "push-noreuse", "nixl-push")
 
@@ -236,8 +235,8 @@ def write(result: dict, out: Path, name: str) -> None:
     (out / f"{name}.md").write_text(text)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
@@ -258,7 +257,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/kvpush-mt")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--name", default="multiturn-h200")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if bad := set(modes) - set(MODES):
         ap.error(f"unknown modes {sorted(bad)}")
@@ -279,7 +278,7 @@ def main() -> int:
     except Exception:
         vllm_version = None
     cluster = Cluster(args, model, logdir, gpus)
-    result = {"meta": {"command": "python3 scripts/bench/gpu/multiturn_gpu.py " + shlex.join(sys.argv[1:]),
+    result = {"meta": {"command": rerun_command(__spec__, sys.argv[1:] if argv is None else argv, prog),
                        "kind": f"real CUDA vLLM {vllm_version} on one H200 (all instances share GPU 0)"
                        if gpus == 1 else f"real vLLM {vllm_version} on {device} x{gpus} (all instances on GPU 0)",
                        "vllm_version": vllm_version, "device": device, "gpus": gpus, "shape": args.shape,

@@ -8,9 +8,12 @@ else everything shares GPU 0 (fixed `--kv-cache-memory-bytes` per instance, so i
 side by side without profiling each other's memory).  Model: a Qwen3 shape (`--shape`) with
 `--load-format dummy` (identical random weights on every instance) and a locally trained tokenizer.
 
-    python3 scripts/bench/gpu/vllm_gpu.py --points 4096x2,4096x6 --requests 16 --modes push,nixl-push,pull,nixl-pull
-    python3 scripts/bench/gpu/vllm_gpu.py --report docs/benchmarks/h200-vllm.json    # markdown + plots again
-    python3 scripts/bench/gpu/vllm_gpu.py --merge a.json b.json --out docs/benchmarks  # one result of several calls
+    python3 -m scripts.bench.e2e --device cuda --workload single --points 4096x2,4096x6 --requests 16 --modes push,nixl-push,pull,nixl-pull
+    python3 -m scripts.bench.e2e --device cuda --workload single --report docs/benchmarks/h200-vllm.json    # markdown + plots again
+    python3 -m scripts.bench.e2e --device cuda --workload single --merge a.json b.json --out docs/benchmarks  # one result of several calls
+
+(`python3 -m scripts.bench.gpu.vllm_gpu ...` is the same.)  From the repository root, or on the GPU machine from
+/tmp/kvpush (gpu_vllm_env.sh copies the tree there).
 
 A device call runs at most 10 minutes and the full sweep ~16: start it detached (`(setsid nohup python3 ...
 --out /tmp/vb/out > /tmp/vb/bench.log 2>&1 &); sleep 555`) and copy /tmp/vb/out to $OUT from later calls made
@@ -28,7 +31,6 @@ import math
 import os
 import random
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -38,11 +40,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_summary import (ENGINE_SERIES, STAGES, alone, alone_stats, engine_hook_p99,  # noqa: E402,F401
-                          engine_means, exposed_after_prefill, input_key, label, markdown, plots, point_stats,
-                          posted_descs, quantile, slow_hook_detail, slow_hook_key, slow_hooks, split_label,
-                          stage_medians, summarize, ttft_mean, wake_split, worker_load, write_stage_means)
+from scripts.bench import rerun_command
+from scripts.bench.gpu.vllm_summary import (ENGINE_SERIES, STAGES, alone, alone_stats, engine_hook_p99,  # noqa: F401
+                                            engine_means, exposed_after_prefill, input_key, label, markdown, plots,
+                                            point_stats, posted_descs, quantile, slow_hook_detail, slow_hook_key,
+                                            slow_hooks, split_label, stage_medians, summarize, ttft_mean, wake_split,
+                                            worker_load, write_stage_means)
 
 ROOT = Path(__file__).resolve().parents[3]
 MODES = ("push", "pull", "nixl-push", "nixl-pull")
@@ -411,8 +414,8 @@ def write(result: dict, out: Path, name: str) -> None:
 DEFAULT_POINTS = "1024-16384x3,8192x3,16384x1.5"  # mixed prompts as in the seed article, then 8k and 16k loaded
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="push,nixl-push",
                     help="router modes (push, pull, nixl-push, nixl-pull) or --variant names, each measured under every "
                          "runner (NAME@v1: under that runner only)")
@@ -459,7 +462,7 @@ def main() -> int:
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="join results of several runs of one configuration (e.g. one device call per mode) into "
                          "OUT/NAME.json, then markdown and plots")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.merge:
         return merge(args, ap)
     if args.report:
@@ -514,7 +517,7 @@ def main() -> int:
         except PackageNotFoundError:
             continue
     out = Path(args.out)
-    result = {"meta": {"command": "python3 scripts/bench/gpu/vllm_gpu.py " + shlex.join(sys.argv[1:]),
+    result = {"meta": {"command": rerun_command(__spec__, sys.argv[1:] if argv is None else argv, prog),
                        "vllm_version": vllm_version, "gpus": gpus, "device": device, "shape": args.shape,
                        "eager": args.eager, "output_tokens": args.output_tokens, "requests_per_point": args.requests,
                        "kv_cache_gib": args.kv_cache_gib, "seed": args.seed, "runners": runners,

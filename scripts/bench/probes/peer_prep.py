@@ -7,7 +7,7 @@ then `prep_xfer_dlist` of the per-block lists (our own once, the consumer's per 
 `--blocks` blocks (the count matters, not the bytes: one head of 16 elements per block row).  A CPU
 measurement of NIXL's call costs, not of a GPU's.
 
-    .venv/bin/python scripts/bench/cpu/peer_prep.py --out docs/benchmarks/peer-prep-cpu.json
+    .venv/bin/python -m scripts.bench.probes.peer_prep --out docs/benchmarks/peer-prep-cpu.json
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from kvpush_common.device.host import HostBackend
 from kvpush_common.plan.blockplan import unit_table
 from kvpush_common.transport.nixl import NixlTransport, TransportConfig
+from scripts.bench import rerun_command
 
 
 def one(blocks: int, layers: int, tag: str) -> dict:
@@ -63,7 +64,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     doc = {"meta": {"machine": "CPU only (this workplace's 2-core machine), host memory, NIXL UCX", "simulated": False,
                     "gpu": None, "reps": args.reps,
-                    "command": "python scripts/bench/cpu/peer_prep.py --out " + args.out},
+                    "command": rerun_command(__spec__, ["--out", args.out])},
            "rows": rows, "summary": {"total_ms_p50_max": max(r["total_ms_p50"] for r in rows)}}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

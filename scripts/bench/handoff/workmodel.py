@@ -1,6 +1,8 @@
 """Step cost of a Qwen3-32B rank at TP=8 on H200, and device work that takes that long.
 
-The model (milliseconds) is fitted to `../shared/notes/h200-measurements.md`:
+The model (milliseconds) is fitted to step times measured on one H200 (a Qwen3-32B TP=8 layer stack, and
+vLLM's decode steps); the fit and the run it serves are described in docs/benchmarks/h200.md ("Step cost",
+the engine-loop-h200 row of docs/benchmarks/README.md):
 - prefill of n tokens: a*n + b*n^2 (n in thousands) through 1k -> 16.5 ms and 16k -> 292.5 ms
   (eager layer stack measured on one H200; 4k predicts 67 ms against 61.7 measured);
 - decode step: 5.6 ms at light load (vLLM with CUDA graphs, the seed's TPOT) plus attention that

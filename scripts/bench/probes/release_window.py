@@ -3,7 +3,7 @@ item 4: the residual window behind the consumer's clock fence).  Two processes o
 initiator posts one WRITE of N x 1 MiB descriptors, releases it after `--release-after-ms`, and the target
 watches one byte per MiB of its buffer until nothing changes for a second.
 
-    .venv/bin/python scripts/bench/cpu/release_window.py --mib 1024 --release-after-ms 5
+    .venv/bin/python -m scripts.bench.probes.release_window --mib 1024 --release-after-ms 5
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from kvpush_common.transport.nixl import NixlTransport, TransportConfig  # noqa: E402
+from kvpush_common.transport.nixl import NixlTransport, TransportConfig
 
 MIB = 1 << 20
 

@@ -1,7 +1,7 @@
 """How long a short `threading.Event.wait` really sleeps, with the kernel's default timer slack and with the worker's
 1 us (`set_timer_slack`, what each endpoint's worker thread sets at start): the reason for `timer_slack_s`.
 
-    python3 scripts/bench/cpu/timer_slack.py --out docs/benchmarks/timer-slack-cpu.json
+    python3 -m scripts.bench.probes.timer_slack --out docs/benchmarks/timer-slack-cpu.json
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from kvpush_common.endpoint.base import set_timer_slack
+from scripts.bench import rerun_command
 
 
 def waits_us(timeout_s: float, n: int) -> dict:
@@ -39,7 +40,7 @@ def main() -> int:
         for ms in [float(x) for x in args.timeouts_ms.split(",")]:
             rows.append({"slack": "default" if slack_ns == 0 else f"{slack_ns} ns", "wait_ms": ms, **waits_us(ms / 1e3, args.n)})
             print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(["python3", *sys.argv]), "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"command": rerun_command(__spec__, sys.argv[1:]), "rows": rows}, indent=1))
     return 0
 
 

@@ -9,9 +9,9 @@ in this run, descriptors per transfer, and the decode engine thread's time insid
 per step.  Warm-up requests (sequential, fresh pools: consecutive blocks) are excluded from the
 points and give the contiguous NIXL WRITE time of each size.
 
-    python3 scripts/bench/gpu/engine_loop.py --out docs/benchmarks/h200.json          # two GPUs
-    python3 scripts/bench/gpu/engine_loop.py --cpu --lengths 256,512 --rates 2,4 ...  # CPU smoke run
-    python3 scripts/bench/gpu/engine_loop.py --p-tp 2 --d-tp 1 --modes push,kvpush-pull ...  # 3+ GPUs
+    python3 -m scripts.bench.handoff.engine_loop --out docs/benchmarks/h200.json          # two GPUs
+    python3 -m scripts.bench.handoff.engine_loop --cpu --lengths 256,512 --rates 2,4 ...  # CPU smoke run
+    python3 -m scripts.bench.handoff.engine_loop --p-tp 2 --d-tp 1 --modes push,kvpush-pull ...  # 3+ GPUs
 
 Several ranks per engine (--p-tp / --d-tp): a process per rank in lockstep (engines.py), one GPU
 each when there are enough, the model's KV heads split across each side's ranks (a producer rank
@@ -36,13 +36,11 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-import engines  # noqa: E402
-from handoff_modes import MODES, MULTI_RANK_MODES  # noqa: E402
-from kvslab import QWEN3_32B_RANK, peer_copy_ms  # noqa: E402
-from workmodel import StepCost  # noqa: E402
-
-from kvpush_common.endpoint.events import read_events  # noqa: E402
+from kvpush_common.endpoint.events import read_events
+from scripts.bench.handoff import engines
+from scripts.bench.handoff.handoff_modes import MODES, MULTI_RANK_MODES
+from scripts.bench.handoff.kvslab import QWEN3_32B_RANK, peer_copy_ms
+from scripts.bench.handoff.workmodel import StepCost
 
 _enc, _dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
 
@@ -325,7 +323,7 @@ def summary(results: list[dict], raw: dict, args, wire_rows: list[dict] | None =
     hooks = [p["hook_us_p99"] for p in pts if p["mode"] == "push" and p["hook_us_p99"] is not None]
     if hooks:
         out["decode_hook_time_p99_us_push"] = round(max(hooks), 1)
-    if wire_rows:  # scripts/bench/gpu/nixl_wire.py, same machine: contiguous NIXL WRITE vs raw peer copy
+    if wire_rows:  # scripts/bench/probes/nixl_wire.py, same machine: contiguous NIXL WRITE vs raw peer copy
         out["contiguous"] = wire_rows
         out["contiguous_efficiency_min"] = round(min(r["efficiency_wire"] for r in wire_rows
                                                      if r["tokens"] == longest), 3)
@@ -336,7 +334,7 @@ def summary(results: list[dict], raw: dict, args, wire_rows: list[dict] | None =
         "pull": "ratios use vLLM-style pull (vllm-pull) as the pull baseline; push vs kvpush-pull is in "
                 "push_ttft_gt_pull_points",
         "wire": "handoff_exposed_over_wire uses the raw torch peer copy of the same bytes (meta.raw_copy_ms)",
-        "contiguous": "scripts/bench/gpu/nixl_wire.py: two-process NIXL UCX WRITE of a request's consecutive blocks "
+        "contiguous": "scripts/bench/probes/nixl_wire.py: two-process NIXL UCX WRITE of a request's consecutive blocks "
                       "(one descriptor per region), transfer() to DONE, vs raw peer copy"}
     return out
 
@@ -398,7 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--total-heads", type=int, default=0,
                     help="KV heads of the model (default: the geometry's num_heads x max(p-tp, d-tp), so that a rank "
                          "of the wider side holds what one Qwen3-32B TP=8 rank holds)")
-    ap.add_argument("--nixl-wire", metavar="JSON", help="nixl_wire.py result: adds the contiguous-bandwidth keys")
+    ap.add_argument("--nixl-wire", metavar="JSON", help="probes/nixl_wire.py result: adds the contiguous-bandwidth keys")
     ap.add_argument("--summarize", metavar="JSON", help="recompute the summary of an earlier result (no run)")
     ap.add_argument("--out", default="engine-loop.json")
     args = ap.parse_args(argv)

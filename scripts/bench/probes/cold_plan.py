@@ -2,7 +2,7 @@
 requests), by its one-run path (block ids as Python lists) and by its numpy path (the same ids as arrays):
 why `plan_one_run` exists.  One Qwen3-32B TP=8 rank as vLLM's cross-layer cache, consecutive blocks.
 
-    python3 scripts/bench/cpu/cold_plan.py --out docs/benchmarks/cold-plan-cpu.json
+    python3 -m scripts.bench.probes.cold_plan --out docs/benchmarks/cold-plan-cpu.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from kvpush_common.plan.write import plan_write
 from kvpush_common.protocol.layout import contiguous_layout
 from kvpush_common.protocol.topology import routes
+from scripts.bench import rerun_command
 
 GEO = dict(num_layers=64, num_heads=1, head_dim=128, dtype="bfloat16", dtype_size=2, block_size=16, cross_layer=True)
 
@@ -53,7 +54,7 @@ def main() -> int:
             rows.append({"tokens": tokens, "path": path, "hot_ms_p50": plan_ms(tokens, 0.0, as_arrays, args.reps),
                          "cold_ms_p50": plan_ms(tokens, args.sleep_ms / 1e3, as_arrays, args.reps)})
             print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(["python3", *sys.argv]), "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"command": rerun_command(__spec__, sys.argv[1:]), "rows": rows}, indent=1))
     return 0
 
 

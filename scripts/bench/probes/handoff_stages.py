@@ -1,6 +1,6 @@
 """Where one push's handoff goes, stage by stage, on this CPU machine (host memory, real NIXL UCX).
 
-The CPU twin of `scripts/bench/gpu/gpu_handoff.py` (same run loop, `fragmentation.run_case`, with both
+The CPU twin of `scripts/bench/handoff/gpu_handoff.py` (same run loop, `push_pair.run_case`, with both
 slabs in host memory): a producer rank and a consumer rank in two processes, shaped like one Qwen3-32B
 rank at TP=8 (64 layers, 1 KV head, head_dim 128, bf16, block 16), the endpoints' default 1 ms poll, the
 consumer registering first.  Per request size and block arrangement, medians of `--reps` requests of:
@@ -17,7 +17,7 @@ next to one numpy copy of the same bytes (the memory-bandwidth floor).  A CPU me
 where kvpush's own Python and NIXL's call costs go, not what an H200 or EFA wire costs.  On host memory
 UCX copies the bytes inside the transfer call, so here `post` holds the copy and `wire` is near zero.
 
-    .venv/bin/python scripts/bench/cpu/handoff_stages.py --out docs/benchmarks/handoff-stages-cpu.json
+    .venv/bin/python -m scripts.bench.probes.handoff_stages --out docs/benchmarks/handoff-stages-cpu.json
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "scripts" / "bench" / "gpu"))
-from fragmentation import handoff_args, handoff_passes  # noqa: E402
+from scripts.bench import rerun_command
+from scripts.bench.handoff.push_pair import handoff_args, handoff_passes
 
 STAGES = ("wake", "fence", "plan", "post")
 
@@ -78,7 +77,7 @@ def main() -> int:
         summary[f"handoff_ms_p50_max{at}"] = round(max(r["handoff_ms_p50"] for r in mine), 3)
     meta = {"machine": "CPU only (this workplace's 2-core machine), host memory, NIXL UCX on 127.0.0.1",
             "simulated": False, "gpu": None, "reps": args.reps,
-            "command": " ".join(["python", "scripts/bench/cpu/handoff_stages.py", *sys.argv[1:]])}
+            "command": rerun_command(__spec__, sys.argv[1:])}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))

@@ -7,7 +7,7 @@
 
 Only preparation is timed (the bytes moved are the same either way).  Shape: a Qwen3-32B rank at
 TP=8 (64 layers, 1 KV head, head_dim 128, bf16), block 16, a 16k-token request, with the source
-and destination blocks either consecutive or shuffled.  Run: .venv/bin/python scripts/bench/cpu/bench_post.py
+and destination blocks either consecutive or shuffled.  Run: .venv/bin/python -m scripts.bench.probes.bench_post
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bare NIXL's handoff of one push: what a Python program pays with NIXL alone, no kvpush (issue 15's floor).
 
-The same two processes and bytes as `gpu_handoff.py` (one Qwen3-32B TP=8 rank, block 16, the blocks of one
+The same two processes and bytes as the handoff micro-benchmark's `gpu_handoff.py` (one Qwen3-32B TP=8 rank, block 16, the blocks of one
 request consecutive on both sides, so one descriptor on a cross-layer cache), the same NIXL backend and
 progress-thread choice as kvpush's endpoints, and the same pacing: the producer sleeps 50 ms before each
 request (kvpush's writer thread is idle between requests too, so both run cold).  Per request:
@@ -12,7 +12,7 @@ request (kvpush's writer thread is idle between requests too, so both run cold).
 kvpush's handoff on the same run adds to this its own Python: waking on the KV ready, the rendezvous, the fence
 check, the plan, and the consumer's bookkeeping.  A floor for kvpush in Python, not for NIXL in C++.
 
-    python3 scripts/bench/gpu/nixl_floor.py --tokens 4096,16384 --out nixl-floor.json
+    python3 -m scripts.bench.probes.nixl_floor --tokens 4096,16384 --out nixl-floor.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from kvpush_common.protocol.layout import KVLayout
 from kvpush_common.protocol.topology import routes
 from kvpush_common.testing.peer_proc import make_backend
 from kvpush_common.transport.nixl import NixlTransport, TransportConfig
-
-from kvslab import QWEN3_32B_RANK  # noqa: E402
+from scripts.bench import rerun_command
+from scripts.bench.handoff.kvslab import QWEN3_32B_RANK
 
 GEO = dict(QWEN3_32B_RANK, block_size=16, cross_layer=True)  # gpu_handoff.py's cross-layer pass
 
@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--out", default="nixl-floor.json")
     args = ap.parse_args()
     rows = bare_nixl_handoff([int(t) for t in args.tokens.split(",")], args.reps, args.poll_ms / 1e3, args.kind)
-    Path(args.out).write_text(json.dumps({"command": " ".join(["python3", *sys.argv]), "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"command": rerun_command(__spec__, sys.argv[1:]), "rows": rows}, indent=1))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Plots of an engine_loop.py result: TTFT and TPOT vs load per input length, and timeline bars.
 
-    python3 scripts/bench/gpu/plot_engine_loop.py docs/benchmarks/h200.json --out docs/benchmarks/h200
+    python3 -m scripts.bench.handoff.plot_engine_loop docs/benchmarks/h200.json --out docs/benchmarks/h200
 """
 
 from __future__ import annotations

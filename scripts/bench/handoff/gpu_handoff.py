@@ -9,11 +9,12 @@ the KV ready; from the endpoints' event logs:
   post     = kv_ready -> WRITE posted (planning + posting, on the worker thread)
   wire     = WRITE posted -> WRITE done
 next to a raw torch copy of the same bytes in one piece (the wire floor), and, with --nixl-floor, next to bare
-NIXL doing the same push from Python in the same run (`nixl_floor.py`: post -> the consumer sees the notification,
-same bytes, poll and pacing; the floor of any Python program over NIXL's API).  The run loop is
-fragmentation.py's (which adds block sizes and staged transfers).
+NIXL doing the same push from Python in the same run (`probes/nixl_floor.py`: post -> the consumer sees the
+notification, same bytes, poll and pacing; the floor of any Python program over NIXL's API).  The run loop is
+push_pair.py's (which `probes/fragmentation.py` runs over block sizes and staged transfers, and
+`probes/handoff_stages.py` on host memory).
 
-    python3 scripts/bench/gpu/gpu_handoff.py --out runs/gpu-handoff.json
+    python3 -m scripts.bench.handoff.gpu_handoff --out runs/gpu-handoff.json
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-from fragmentation import handoff_args, handoff_passes  # noqa: E402
-from kvslab import peer_copy_ms  # noqa: E402
-from nixl_floor import bare_nixl_handoff  # noqa: E402
+from scripts.bench import rerun_command
+from scripts.bench.handoff.kvslab import peer_copy_ms
+from scripts.bench.handoff.push_pair import handoff_args, handoff_passes
+from scripts.bench.probes.nixl_floor import bare_nixl_handoff
 
 
 def main() -> int:
@@ -66,7 +68,7 @@ def main() -> int:
             summary[f"handoff_over_nixl_floor_p50_max{at}"] = max(r["handoff_over_nixl_floor"] for r in mine)
             summary[f"nixl_floor_meets_goal{at}"] = all(r["nixl_floor"]["handoff_ms_p50"] <= r["goal_ms"] for r in mine)
     meta = {"gpus": torch.cuda.device_count(), "device": torch.cuda.get_device_name(0), "reps": args.reps,
-            "command": " ".join(["python3", "scripts/bench/gpu/gpu_handoff.py", *sys.argv[1:]]),
+            "command": rerun_command(__spec__, sys.argv[1:]),
             "note": "producer and consumer on the same GPU" if not two else "GPU 0 -> GPU 1"}
     Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2))
     print(json.dumps(summary))

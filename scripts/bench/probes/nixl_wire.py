@@ -6,7 +6,7 @@ cuda_ipc), a request's consecutive blocks on both sides merged into one descript
 kvpush posts), WRITE timed from before `initialize_xfer` to DONE (`total`) and from `transfer()` to
 DONE (`wire`), against `torch` copying the same bytes GPU 0 -> GPU 1 in one piece.
 
-    python3 scripts/bench/gpu/nixl_wire.py --out nixl-wire.json
+    python3 -m scripts.bench.probes.nixl_wire --out nixl-wire.json
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from pathlib import Path
 
 import msgspec
 
-from kvslab import QWEN3_32B_RANK, peer_copy_ms  # noqa: E402
-
-from kvpush_common.plan.blockplan import merge_runs, plan_blocks  # noqa: E402
-from kvpush_common.protocol.layout import KVLayout  # noqa: E402
-from kvpush_common.protocol.topology import routes  # noqa: E402
-from kvpush_common.transport.nixl import NixlTransport, TransportConfig  # noqa: E402
+from kvpush_common.plan.blockplan import merge_runs, plan_blocks
+from kvpush_common.protocol.layout import KVLayout
+from kvpush_common.protocol.topology import routes
+from kvpush_common.transport.nixl import NixlTransport, TransportConfig
+from scripts.bench.handoff.kvslab import QWEN3_32B_RANK, peer_copy_ms
 
 
 def serve_target(conn, bs: int, nblocks: int, device: int) -> None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from handoff_modes import decode_side, prefill_side
-from kvslab import QWEN3_32B_RANK, BlockPool, KVSlab, blocks_for
-from workmodel import GpuWork, SleepWork, StepCost
+from scripts.bench.handoff.handoff_modes import decode_side, prefill_side
+from scripts.bench.handoff.kvslab import QWEN3_32B_RANK, BlockPool, KVSlab, blocks_for
+from scripts.bench.handoff.workmodel import GpuWork, SleepWork, StepCost
 
 _enc, _dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
 IDLE_S = 0.0002

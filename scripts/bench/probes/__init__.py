@@ -1,0 +1,1 @@
+"""One-question probes: each measures one thing and writes one JSON (rows in docs/benchmarks/README.md)."""
