@@ -34,16 +34,39 @@ def _has_neuron() -> bool:
 HERE = Path(__file__).resolve().parent
 FOLDER_MARKS = {HERE / "nixl": "nixl", HERE / "vllm": "vllm", HERE / "chaos": "chaos", HERE / "libfabric": "libfabric"}
 
+# `slow` (what `scripts/test.sh` leaves to `--all`; about 15 min remain on 2 cores): the libfabric tier; every
+# `vllm` test outside QUICK_VLLM (each module starts its own vLLM servers, ~30-60 s a start here: the long
+# end-to-end, drop-in, xPyD, benchmark, restart and chaos-vLLM runs); and the conformance scenarios' second run
+# on the simulated Neuron backend (`backend_kind` neuron-sim: the same scenarios as `host`; mixed Neuron <-> host
+# pairs, tests/nixl/test_neuron_layouts.py and the hwcheck pair stay).  A new vLLM module is `slow` unless
+# listed here.
+SLOW_FOLDERS = (HERE / "libfabric",)
+QUICK_VLLM = {HERE / "vllm" / name for name in ("test_vllm_compat.py", "test_entry_classes.py",  # in-process
+                                                "test_vllm_pull.py")}  # one P + D pair and the router (~1 min)
+SLOW_BACKEND_KINDS = {"neuron-sim"}
+
+
+def _slow(item, path: Path, folders) -> bool:
+    if any(folder in folders for folder in SLOW_FOLDERS):
+        return True
+    if item.get_closest_marker("vllm") is not None and path not in QUICK_VLLM:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("backend_kind") in SLOW_BACKEND_KINDS
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
 def pytest_collection_modifyitems(config, items):
     gpu = _has_gpu()
     neuron = _has_neuron()
     for item in items:
-        folders = Path(item.path).resolve().parents
+        path = Path(item.path).resolve()
+        folders = path.parents
         for folder, mark in FOLDER_MARKS.items():
             if folder in folders:
                 item.add_marker(getattr(pytest.mark, mark))
+        if _slow(item, path, folders):
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="hardware absent: no NVIDIA GPU on this machine"))
         if "neuron" in item.keywords and not neuron:
