@@ -23,6 +23,7 @@ from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.endpoint.events import EventLog
 from kvpush_common.protocol.layout import KVLayout, LayoutError, geometry_difference
 from kvpush_common.endpoint.metrics import EndpointStats
+from kvpush_common.endpoint.transfers import Settled
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.transport.nixl import NixlTransport, Transport, TransportError
 from kvpush_common.plan.planner import PlanError
@@ -296,10 +297,10 @@ class Endpoint:
         except TransportError as e:
             log.warning("removing agent %s: %s", peer.agent, e)
 
-    def _settle(self, handle, now: float, deadline: float) -> str | None:
+    def _settle(self, handle, now: float, deadline: float) -> Settled | None:
         """Poll one posted NIXL transfer.  None while it runs, or while it runs past its deadline and cannot
         be cancelled yet (it may still write); else its handle is released and the end is returned:
-        "DONE", "ERR" or "TIMEOUT".  Only then may anything be said about the memory it touches."""
+        a `Settled`.  Only then may anything be said about the memory it touches."""
         try:
             state = self.transport.state(handle)
         except TransportError as e:
@@ -309,7 +310,7 @@ class Endpoint:
             return None
         if not self.transport.release(handle) and state != "DONE":
             return None  # a DONE handle that cannot be released is freed by NIXL's destructor
-        return state if state in ("DONE", "ERR") else "TIMEOUT"
+        return Settled.DONE if state == "DONE" else Settled.ERR if state == "ERR" else Settled.TIMEOUT
 
     def _send(self, peer: Peer, msg: Message) -> bool:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush_common.endpoint.base import Peer
+from kvpush_common.endpoint.transfers import Settled
 from kvpush_common.plan.planner import PlanError
 from kvpush_common.plan.write import plan_write
 from kvpush_common.protocol.identity import TransferKey
@@ -70,12 +71,12 @@ class PullReads:
                 continue  # still running (and not cancellable yet): it may still write into our blocks
             self._reads.remove(r)
             peer = self._peers.get(r.producer)
-            if state == "DONE":  # our blocks hold the KV; its ReadResult went to the producer on the READ
+            if state is Settled.DONE:  # our blocks hold the KV; its ReadResult went to the producer on the READ
                 self.stats.writes_done.inc()
                 self.stats.xfer_seconds.observe(now - r.posted_at)
                 out += self.completion.on_done(r.key, r.producer, now)
             else:
-                reason = "READ failed" if state == "ERR" else "READ timed out"
+                reason = "READ failed" if state is Settled.ERR else "READ timed out"
                 if peer is not None:
                     self._send(peer, self._read_result(peer, r.key, False, reason))
                 out += self.completion.on_failed(r.key, r.producer, reason, now)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from kvpush_common.endpoint.base import Peer
-from kvpush_common.endpoint.transfers import DirectWrite
+from kvpush_common.endpoint.transfers import DirectWrite, Settled
 from kvpush_common.plan.blockplan import BlockPlan, block_granular, unit_table
 from kvpush_common.plan.planner import PlanError
 from kvpush_common.plan.write import plan_write
@@ -84,11 +84,11 @@ class DirectPushes:
         if state is None:
             return []  # in flight (or past its deadline but not cancellable yet: keep polling)
         self._inflight.remove(item)
-        self.event("write_" + ("done" if state == "DONE" else "failed"), item.key, state=state)
-        if state == "DONE":
+        self.event("write_" + ("done" if state is Settled.DONE else "failed"), item.key, state=state.value)
+        if state is Settled.DONE:
             self.stats.writes_done.inc()
             self.stats.bytes_written.inc(item.nbytes)
             self.stats.xfer_seconds.observe(now - item.posted_at)
             return self.rendezvous.on_write_result(item.key, item.dest, True, now)
-        code = "write_error" if state == "ERR" else "write_timeout"
-        return self._fail_write(item.start, code, f"NIXL WRITE ended in {state}", now)
+        code = "write_error" if state is Settled.ERR else "write_timeout"
+        return self._fail_write(item.start, code, f"NIXL WRITE ended in {state.value}", now)

@@ -14,7 +14,7 @@ import logging
 import numpy as np
 
 from kvpush_common.endpoint.base import Peer
-from kvpush_common.endpoint.transfers import StagedPush
+from kvpush_common.endpoint.transfers import Settled, StagedPush
 from kvpush_common.plan.blockplan import block_runs, descs_per_run
 from kvpush_common.plan.planner import PlanError
 from kvpush_common.plan.staging import LentSlots, StagedWrite, blocks_per_chunk, staged_pairs, unit_bytes, whole_block_units
@@ -95,12 +95,12 @@ class StagedPushes:
                 continue  # in flight (or past its deadline but not cancellable yet)
             st.inflight.remove(entry)
             self.staging.give(local)
-            if state == "DONE":
+            if state is Settled.DONE:
                 st.done_chunks += 1
                 pool.landed(remote, now, self.cfg.write_timeout_s + self.cfg.fence_grace_s)
             else:  # never landed: the consumer will not free this slot, so it comes back here
                 pool.give(remote)
-                st.failed = st.failed or ("chunk WRITE ended in ERR" if state == "ERR" else "chunk WRITE timed out")
+                st.failed = st.failed or ("chunk WRITE ended in ERR" if state is Settled.ERR else "chunk WRITE timed out")
         if now >= item.deadline:
             st.failed = st.failed or "staged transfer timed out"
         if peer is None or slots is None:

@@ -9,11 +9,20 @@ the rendezvous.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvpush_common.plan.staging import StagedWrite
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.state.rendezvous import Dest, StartWrite
+
+
+class Settled(enum.Enum):
+    """How a posted NIXL transfer ended (`Endpoint._settle`): only then may anything be said about its memory."""
+
+    DONE = "DONE"  # every byte landed (and, for a WRITE, its notification was sent)
+    ERR = "ERR"  # NIXL reported an error: the destination's bytes are undefined
+    TIMEOUT = "TIMEOUT"  # past its deadline and released: nothing more of it can land
 
 
 @dataclass
