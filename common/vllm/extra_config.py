@@ -36,21 +36,26 @@ NIXL_CONNECTOR_KEYS = {
 
 
 class Tuning(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Internal: worker poll periods, timer slack, staging thresholds, NIXL's progress thread (None: defaults)."""
+    """Internal: worker poll periods, timer slack, staged transfers, NIXL's progress thread (None: defaults).
+
+    Staging (`staging_bytes` > 0) is here, not a user setting: it lost to the direct push in real vLLM on one GPU
+    and has been measured ahead only in a two-GPU micro-benchmark (docs/benchmarks, staging-h200)."""
 
     poll_s: Seconds | None = None
     idle_poll_s: Seconds | None = None
     wire_poll_s: Seconds | None = None
     write_poll_s: Seconds | None = None
     timer_slack_s: Annotated[float, msgspec.Meta(ge=0, le=0.01)] | None = None
+    staging_bytes: Count | None = None
+    staging_chunk_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
     staging_min_descs: Count | None = None
     staging_partitions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     progress_thread: bool | None = None
 
     def endpoint_fields(self) -> dict:
         """The EndpointConfig fields this sets."""
-        names = ("poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s", "timer_slack_s", "staging_min_descs",
-                 "staging_partitions")
+        names = ("poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s", "timer_slack_s", "staging_bytes",
+                 "staging_chunk_bytes", "staging_min_descs", "staging_partitions")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -76,14 +81,12 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     write_timeout_s: Seconds | None = None
     transfer_timeout_s: Seconds | None = None
     handshake_timeout_s: Seconds | None = None
-    staging_bytes: Count | None = None
-    staging_chunk_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
     tuning: Tuning = Tuning()
 
     def endpoint_fields(self) -> dict:
-        """The EndpointConfig fields this sets (timeouts, staging, tuning)."""
+        """The EndpointConfig fields this sets (timeouts, tuning)."""
         names = ("lease_s", "reg_ttl_s", "heartbeat_s", "write_timeout_s", "transfer_timeout_s",
-                 "handshake_timeout_s", "staging_bytes", "staging_chunk_bytes")
+                 "handshake_timeout_s")
         return {**{n: getattr(self, n) for n in names if getattr(self, n) is not None}, **self.tuning.endpoint_fields()}
 
 

@@ -33,7 +33,7 @@ LOCAL_TAIL = 64
 
 # P and D stage every push (gather -> chunk WRITE -> scatter); the control producer Pb offers no staging,
 # so its pushes into the same D go direct: both paths run through real vLLM.
-STAGED = {"staging_bytes": 4 << 20, "staging_chunk_bytes": 256 << 10, "tuning": {"staging_min_descs": 1}}
+STAGED = {"tuning": {"staging_bytes": 4 << 20, "staging_chunk_bytes": 256 << 10, "staging_min_descs": 1}}
 
 
 @pytest.fixture(scope="module")

@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--kvpush-extra", default="{}", help="JSON merged into kvpush's kv_connector_extra_config")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:JSON",
                     help="a kvpush mode with other settings, usable in --modes (e.g. push-staged=push:"
-                         "'{\"staging_bytes\": 1073741824}'); the JSON's vllm_env sets its P and D environment")
+                         "'{\"tuning\": {\"staging_bytes\": 1073741824}}'); the JSON's vllm_env sets its P and D environment")
     ap.add_argument("--points-for", action="append", default=[], metavar="NAME=POINTS",
                     help="measure this mode only at these points (a subset of --points)")
     ap.add_argument("--no-event-log", action="store_true",
