@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,20 +13,21 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-
 def _has_gpu() -> bool:
+    """An NVIDIA GPU is on this host when the driver lists one.  Whether torch was built with CUDA is not
+    asked here: a missing or CPU-only torch is something pip fixes, so the GPU tests then fail, not skip."""
     if shutil.which("nvidia-smi") is None:
         return False
     try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
         return False
+    return listed.returncode == 0 and "GPU" in listed.stdout
 
 
 def _has_neuron() -> bool:
-    return any(Path("/dev").glob("neuron*")) or bool(os.environ.get("KVPUSH_FORCE_NEURON"))
+    """A Trainium/Neuron device is on this host when its driver made /dev/neuron* nodes."""
+    return any(Path("/dev").glob("neuron*"))
 
 
 # A test's kind comes from its folder: everything under tests/nixl is marked `nixl`, tests/vllm `vllm`,
@@ -67,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, mark))
         if _slow(item, path, folders):
             item.add_marker(pytest.mark.slow)
-        if "gpu" in item.keywords and not gpu:
+        if item.get_closest_marker("gpu") is not None and not gpu:
             item.add_marker(pytest.mark.skip(reason="hardware absent: no NVIDIA GPU on this machine"))
-        if "neuron" in item.keywords and not neuron:
+        if item.get_closest_marker("neuron") is not None and not neuron:
             item.add_marker(pytest.mark.skip(reason="hardware absent: no Trainium/Neuron device on this machine"))
