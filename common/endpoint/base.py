@@ -86,13 +86,16 @@ class Endpoint:
         self.event = EventLog.from_env(cfg.engine_id, self.role, cfg.rank)
         self.compat = compat_hash(mode=cfg.mode, model=cfg.model, num_layers=self.layout.num_layers,
                                   total_kv_heads=cfg.total_kv_heads, head_dim=self.layout.head_dim,
-                                  dtype=self.layout.dtype)
+                                  dtype=self.layout.dtype, cache_dtype=self.layout.cache_dtype,
+                                  kv_scales=self.layout.kv_scales, latent=self.layout.latent)
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self._agent_md = b""
         self.staging: SlotPool | None = None  # our staging pool (push with staging_bytes > 0)
         self._peers: dict[tuple[str, int], Peer] = {}
         self._last_seen: dict[tuple[str, int], float] = {}  # peer -> last message from it (or to it)
+        # peer -> why NIXL could not reach it, since the last message from it or send to it (liveness)
+        self._unreachable: dict[tuple[str, int], str] = {}
         self._next_evict = 0.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: collections.deque = collections.deque()
@@ -249,6 +252,7 @@ class Endpoint:
 
     def _add_peer(self, hello: Hello) -> Peer:
         old = self._peers.pop((hello.engine_id, hello.rank), None)
+        self._unreachable.pop((hello.engine_id, hello.rank), None)
         if old is not None:  # the peer restarted: forget its old agent (and connection) first
             try:
                 self.transport.remove_peer(old.agent)
@@ -288,6 +292,7 @@ class Endpoint:
     def _forget_peer(self, key: tuple[str, int], why: str) -> None:
         peer = self._peers.pop(key, None)
         self._last_seen.pop(key, None)
+        self._unreachable.pop(key, None)
         if peer is None:
             return
         log.info("kvpush %s: forgetting peer %s rank %d (%s)", self.role, key[0], key[1], why)
@@ -313,13 +318,19 @@ class Endpoint:
         return Settled.DONE if state == "DONE" else Settled.ERR if state == "ERR" else Settled.TIMEOUT
 
     def _send(self, peer: Peer, msg: Message) -> bool:
+        """Send one control message; False if it did not go.  A TransportError (NIXL could not reach the peer,
+        e.g. NIXL_ERR_REMOTE_DISCONNECT) marks the peer unreachable until it is reached again."""
+        key = (peer.engine_id, peer.rank)
         try:
             self.transport.send_notif(peer.agent, self.codec.encode(msg))
-            return True
         except Exception as e:  # TransportError, WireError, or anything else: the message did not go
             self.stats.failed_notifs.inc()
             log.warning("could not send %s to %s: %s", type(msg).__name__, peer.agent, e)
+            if isinstance(e, TransportError) and self._peers.get(key) is peer:
+                self._unreachable[key] = str(e)
             return False
+        self._unreachable.pop(key, None)
+        return True
 
     def _receive(self, raw: dict[str, list[bytes]]) -> list[tuple[Peer, Message]]:
         """Decode fetched notifications; drop (and count) malformed, forged or unknown-sender ones."""
@@ -340,6 +351,7 @@ class Endpoint:
                                 type(msg).__name__, agent, claimed)
                     continue
                 self._last_seen[claimed] = self.clock()
+                self._unreachable.pop(claimed, None)
                 out.append((peer, msg))
         return out
 

@@ -26,9 +26,10 @@ from kvpush_common.endpoint.consumer_handshake import ProducerHandshakes
 from kvpush_common.endpoint.consumer_pull import PullReads, _Read
 from kvpush_common.endpoint.consumer_staged import StagedChunks
 from kvpush_common.endpoint.handshake import handshake_codec
+from kvpush_common.endpoint.liveness import ProducerLiveness
 from kvpush_common.endpoint.moves import AddressMoves
 from kvpush_common.endpoint.inbox import (Decline, Expect, HandshakeDone, HandshakeFailed, HandshakeMoved, LocalAbort,
-                                          block_ids_as_ints)
+                                          ProbeResult, block_ids_as_ints)
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.protocol.topology import producers_for
@@ -38,7 +39,7 @@ from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Chun
 log = logging.getLogger(__name__)
 
 
-class ConsumerEndpoint(ProducerHandshakes, StagedChunks, PullReads, AddressMoves, Endpoint):
+class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullReads, AddressMoves, Endpoint):
     role = "consumer"
 
     def __init__(self, *args, **kwargs):
@@ -55,6 +56,7 @@ class ConsumerEndpoint(ProducerHandshakes, StagedChunks, PullReads, AddressMoves
         self._reads: list[_Read] = []  # consumer_pull.PullReads: READs posted, not settled yet
         self._suspect: set[tuple[str, int]] = set()  # producer ranks to handshake again before the next use
         self._addr: dict[tuple[str, int], tuple[str, int]] = {}  # producer rank -> side channel it answered on
+        self._probing: set[tuple[str, int]] = set()  # liveness.ProducerLiveness: side-channel probes under way
         # consumer_staged.StagedChunks:
         self._partitions: dict[tuple[str, int], int] = {}  # producer rank -> staging partition lent to it
         self._partition_lock = threading.Lock()  # handshakes run on pool threads
@@ -107,6 +109,7 @@ class ConsumerEndpoint(ProducerHandshakes, StagedChunks, PullReads, AddressMoves
         if now >= self._next_heartbeat:
             self._heartbeat()
             self._next_heartbeat = now + self.cfg.heartbeat_s
+        self._check_liveness()
         if now >= self._next_evict:  # the peers live work refers to, only when an eviction pass is due
             busy = {(e.producer.engine_id, r) for e in self._expects.values() for r in range(e.producer.tp_size)}
             self._evict_idle(now, busy | set(self._connecting) | {r.producer for r in self._reads})
@@ -140,6 +143,8 @@ class ConsumerEndpoint(ProducerHandshakes, StagedChunks, PullReads, AddressMoves
             return self._on_peer_fail(item.producer, item.reason, now)
         if isinstance(item, HandshakeMoved):
             return self._on_moved(item, now)
+        if isinstance(item, ProbeResult):
+            return self._on_probe(item, now)
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float) -> list:
@@ -257,7 +262,9 @@ class ConsumerEndpoint(ProducerHandshakes, StagedChunks, PullReads, AddressMoves
         return self.completion.on_failed(e.key, prod, "could not send the registration", now)
 
     def _heartbeat(self) -> None:
-        for prod, keys in self.completion.waiting_keys().items():
+        waiting = self.completion.waiting_keys()
+        self._poke_idle_owers(waiting)
+        for prod, keys in waiting.items():
             peer = self._peers.get(prod)
             if peer is None:
                 continue

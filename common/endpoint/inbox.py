@@ -99,3 +99,13 @@ class HandshakeFailed:
 
     producer: ProducerRank
     reason: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Consumer, handshake pool: what a producer rank's side channel did when a connection was tried, after
+    NIXL could not reach that rank (`liveness.ProducerLiveness`)."""
+
+    producer: ProducerRank
+    refused: bool  # nothing listens there: the process that held the port has exited
+    detail: str

@@ -34,6 +34,8 @@ class EndpointStats:
         self.worker_nixl_cpu = counter("worker_nixl_cpu_seconds", "worker thread CPU time inside NIXL calls (the "
                                        "GIL released there)")
         self.peers_evicted = counter("peers_evicted", "peers forgotten: idle, unreachable, or replaced by a restart")
+        self.peers_gone = counter("peers_gone", "peers found dead (NIXL cannot reach them and their process exited): "
+                                  "what they owed ended at once")
         self.stale_batches = counter("stalled_steps", "worker steps after a stall longer than fence_grace_s")
         self.received_ok = counter("requests_received", "consumer requests whose KV became usable")
         self.received_failed = counter("requests_failed", "consumer requests that ended without usable KV")

@@ -84,6 +84,11 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
         self.server = HandshakeServer(self.cfg.host, port, self.cfg.secret, self.local_hello, self._accept_hello).start()
 
     def _before_close(self) -> None:
+        """The side channel closes only once the worker (and with it the NIXL agent) is gone: consumers take a
+        refused connection as proof that nothing can be written any more (liveness.py)."""
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("producer worker did not stop: its side channel stays open")
+            return
         if self.server is not None:
             self.server.close()
 

@@ -8,6 +8,9 @@ no WRITE into its blocks can still land:
                                                        then Received(ok=False) once each has answered
                                                        (RevokeAck, WriteDone or WriteFailed) or the
                                                        fence wait ran out (the producer's write bound)
+    producer rank gone (its process exited)        -> that rank is quiet for every key that waits on it
+                                                       (a dead process writes nothing): each such key
+                                                       fails at once, revoking only the live ranks
 """
 
 from __future__ import annotations
@@ -138,6 +141,24 @@ class Completion:
             return []
         p.quiet.add(producer)
         return self._advance(key, p, now)
+
+    def producers_owing(self) -> set[Producer]:
+        """Producer ranks some key still waits on: for its bytes, or (failing) for its last word."""
+        out: set[Producer] = set()
+        for p in self._pending.values():
+            out |= (p.expected - p.done) if p.failure is None else p.in_doubt()
+        return out
+
+    def on_producer_gone(self, producer: Producer, reason: str, now: float) -> list[Received | SendRevoke]:
+        """`producer`'s process is known to have exited: nothing more can land from it, and nothing more
+        will come.  Every key that still waits on it fails now; keys it already finished are untouched."""
+        out: list[Received | SendRevoke] = []
+        for key, p in list(self._pending.items()):
+            if producer not in p.expected or producer in p.done or producer in p.quiet:
+                continue
+            p.quiet.add(producer)
+            out += self._fail(key, p, f"producer rank {producer[1]} is gone: {reason}", now)
+        return out
 
     def abort(self, key: TransferKey, reason: str, now: float) -> list[Received | SendRevoke]:
         p = self._pending.get(key)

@@ -213,7 +213,7 @@ class Chaos:
     def _new_results(self, side, prefix: str):
         """(request, result, end time) for results of `side`'s live incarnation not yet taken (prefix
         "p" or "d" names the request's fields for that side)."""
-        if side.stopped:
+        if side.stopped or side.proc is None:  # paused, or killed and not started again
             return
         got = side.proc.call("results")
         times = {(t, a): s for t, a, s in got["times"]}

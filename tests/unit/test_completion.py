@@ -42,6 +42,46 @@ def started(expected=BOTH, register=True, **kw) -> Completion:
 
 
 # ---- documented paths --------------------------------------------------------------------------------
+def test_gone_producer_fails_its_keys_at_once_revoking_only_the_live_ones():
+    c = started()
+    out = c.on_producer_gone(P0, "side channel refuses", 1.0)
+    assert out == [SendRevoke(K, P1, "producer rank 0 is gone: side channel refuses")]  # no fence wait for P0
+    assert K in c and c.producers_owing() == {P1}
+    assert c.on_revoke_ack(K, P1, 1.5) == [Received(K, False, "producer rank 0 is gone: side channel refuses")]
+
+
+def test_gone_sole_producer_ends_its_keys_at_once():
+    c = started(expected=frozenset({P0}))
+    other = TransferKey("s", 0)
+    assert c.start(other, frozenset({P0}), 0.0) == []  # not registered yet: it waits on P0 all the same
+    out = c.on_producer_gone(P0, "exited", 2.0)
+    assert sorted(out, key=lambda r: r.key.transfer_id) == [Received(K, False, "producer rank 0 is gone: exited"),
+                                                            Received(other, False, "producer rank 0 is gone: exited")]
+    assert len(c) == 0 and c.producers_owing() == set()
+
+
+def test_gone_producer_that_already_wrote_changes_nothing():
+    c = started()
+    assert c.on_done(K, P0, 1.0) == []
+    assert c.on_producer_gone(P0, "exited", 2.0) == []
+    assert c.on_done(K, P1, 3.0) == [Received(K, True)]
+
+
+def test_gone_producer_ends_a_failing_key_that_waited_for_its_revoke_ack():
+    c = started()
+    out = c.on_failed(K, P1, "boom", 1.0)
+    assert out == [SendRevoke(K, P0, "producer rank 1: boom")]
+    assert c.producers_owing() == {P0}
+    assert c.tick(2.0) == []  # the fence wait (45 s) would hold it
+    assert c.on_producer_gone(P0, "exited", 2.0) == [Received(K, False, "producer rank 1: boom")]
+
+
+def test_gone_producer_of_another_key_is_ignored():
+    c = started(expected=frozenset({P0}))
+    assert c.on_producer_gone(P2, "exited", 1.0) == [] and K in c
+
+
+
 def test_all_done_is_ok():
     c = started()
     assert K in c and len(c) == 1
@@ -334,6 +374,15 @@ class CompletionMachine(RuleBasedStateMachine):
             assert self.c.abort(key, "abort", self.now) == []
             self.raise_floor(key, key.attempt + 1)
 
+    @rule(prod=prods_st)
+    def producer_gone(self, prod):
+        """Its process exited: every key waiting on it is answered by it (nothing more lands) and fails."""
+        for key, p in self.live.items():
+            if prod in p.expected and prod not in p.answered:
+                p.answered.add(prod)
+                self.fail(key, self.now)
+        self.apply(self.c.on_producer_gone(prod, "exited", self.now))
+
     @rule(dt=st.sampled_from([0.0, 1.0, 10.0, 30.0, 50.0]))
     def advance(self, dt):
         self.now += dt
@@ -364,6 +413,10 @@ class CompletionMachine(RuleBasedStateMachine):
                     want.setdefault(prod, []).append(key)
         got = self.c.waiting_keys()
         assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}
+        owing = set()
+        for p in self.live.values():
+            owing |= (p.expected - p.done) if p.failed_at is None else p.in_doubt()
+        assert self.c.producers_owing() == owing
 
     @invariant()
     def ends_at_most_once(self):
