@@ -205,13 +205,14 @@ def check_role(leg: Leg | BadLeg | None, role: str) -> Leg | BadLeg | None:
     return leg
 
 
-def nixl_answer(*, engine_id: str, host: str, port: int, tp_size: int, mode: str, request_id: str,
-                transfer_id: str, block_ids: list[int], num_tokens: int) -> dict:
+def nixl_answer(*, engine_id: str, host: str, port: int, tp_size: int, pp_size: int, dcp_size: int, mode: str,
+                request_id: str, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict:
     """P's answer to a NIXL prefill leg, in the shape vLLM's NIXL schedulers answer (`request_finished`), so a
     proxy builds the decode leg from it (pull) or learns P's identity from it (push: llm-d's sidecar caches
     remote_engine_id, remote_host, remote_port, tp_size, pp_size, dcp_size when transfer_mode is push).
     `transfer_id` is the key P used, for proxies that forward the whole answer."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(block_ids)],
             "remote_engine_id": engine_id, "remote_request_id": request_id, "remote_host": host, "remote_port": port,
-            "tp_size": tp_size, "pp_size": 1, "dcp_size": 1, "remote_num_tokens": num_tokens, "transfer_mode": mode,
+            "tp_size": tp_size, "pp_size": pp_size, "dcp_size": dcp_size, "remote_num_tokens": num_tokens,
+            "transfer_mode": mode,
             "transfer_id": transfer_id}

@@ -159,7 +159,8 @@ class SchedulerSide:
         first request of a push proxy) or learns P's identity from them."""
         s = self.settings
         if leg.contract == "nixl":
-            return nixl_answer(engine_id=s.engine_id, host=s.host, port=s.port, tp_size=s.tp_size, mode=s.mode,
+            return nixl_answer(engine_id=s.engine_id, host=s.host, port=s.port, tp_size=s.tp_size,
+                               pp_size=s.parallel.pp, dcp_size=s.parallel.dcp, mode=s.mode,
                                request_id=request.request_id, transfer_id=leg.transfer_id, block_ids=block_ids,
                                num_tokens=request.num_prompt_tokens)
         return {"kvpush_transfer": {"transfer_id": leg.transfer_id, "attempt": leg.attempt, "engine_id": s.engine_id}}

@@ -11,6 +11,7 @@ from kvpush_common.endpoint.config import EndpointConfig
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.transport.nixl import TransportConfig
 from kvpush_common.vllm.extra_config import ExtraConfig, parse_extra_config
+from kvpush_common.vllm.parallel import ParallelSizes
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,13 @@ class ConnectorSettings:
     tp_size: int
     total_kv_heads: int
     host: str
-    port: int  # side channel base port (producer): rank r serves on port + r
+    port: int  # side channel base port of this DP engine (producer): rank r serves on port + r
     secret: bytes | None
     backend: str
     backend_params: dict
     extra: ExtraConfig = ExtraConfig()
     metrics_port: int = 0  # >0: each TP rank serves its kvpush Prometheus metrics on metrics_port + rank
+    parallel: ParallelSizes = ParallelSizes()  # DP place, PP and DCP sizes (TP is tp_size)
     # "output": vLLM finishes a prefill request only after the host has read the sampled token of the step
     # that wrote its last KV, and that token comes from the same stream (and, with TP, after the last layer's
     # all-reduce that every rank's KV writes precede): the KV is written when the worker hears of it.
@@ -68,6 +70,8 @@ class ConnectorSettings:
         host = extra.host or os.environ.get("KVPUSH_SIDE_CHANNEL_HOST", "127.0.0.1")
         require_secret(host, secret, extra.allow_unauthenticated)
         model_config = vllm_config.model_config
+        parallel = ParallelSizes.read(vllm_config.parallel_config, role=role, mode=extra.mode)
+        port = extra.port if extra.port is not None else int(os.environ.get("KVPUSH_SIDE_CHANNEL_PORT", 5700))
         return cls(
             role=role,
             mode=extra.mode,
@@ -78,12 +82,13 @@ class ConnectorSettings:
             tp_size=vllm_config.parallel_config.tensor_parallel_size,
             total_kv_heads=model_config.get_total_num_kv_heads(),
             host=host,
-            port=extra.port if extra.port is not None else int(os.environ.get("KVPUSH_SIDE_CHANNEL_PORT", 5700)),
+            port=port + parallel.port_offset,  # DP siblings on one host: disjoint ports (vllm.parallel)
             secret=secret.encode() if secret else None,
             backend=(extra.backend or "UCX").upper(),
             backend_params={k: str(v) for k, v in extra.backend_params.items()},
             extra=extra,
-            metrics_port=extra.metrics_port,
+            metrics_port=extra.metrics_port + parallel.port_offset if extra.metrics_port else 0,
+            parallel=parallel,
             kv_fence=extra.kv_fence,
             local_prefill_max_tokens=extra.local_prefill_max_tokens,
             cross_layer_blocks=extra.cross_layer_blocks,

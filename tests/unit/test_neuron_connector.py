@@ -8,6 +8,7 @@ import pytest
 
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
 from kvpush_common.protocol.legs import ProducerIdentity
+from kvpush_common.testing.vllm_config import parallel_config
 from kvpush_neuron.kv_cache import NeuronKVCache
 from kvpush_neuron.connector import BlockIdGuard, KVPushNeuronConnector
 from kvpush_neuron.runtime import SimulatedNeuronRuntime
@@ -42,7 +43,7 @@ def connector(runtime):
     conn.runtime_factory = lambda: runtime
     conn._vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 4, get_head_size=lambda: 8),
-        parallel_config=SimpleNamespace(tensor_parallel_size=2), cache_config=SimpleNamespace(block_size=32))
+        parallel_config=parallel_config(2), cache_config=SimpleNamespace(block_size=32))
     conn._worker = RecordingWorker()
     conn._connector_metadata = None
     return conn

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvpush_common.protocol.layout import LayoutError
+from kvpush_common.testing.vllm_config import parallel_config
 from kvpush_common.vllm.kv_groups import kv_group_problem
 from kvpush_neuron.connector import KVPushNeuronConnector, neuron_settings_problems
 from kvpush_neuron.kv_cache import describe_neuron_caches
@@ -36,7 +37,7 @@ def vllm_config(extra: dict):
     kt = SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra, engine_id="P", kv_connector="x")
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 2)
     return SimpleNamespace(kv_transfer_config=kt, model_config=model,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+                           parallel_config=parallel_config(1))
 
 
 # ---- settings the plugin cannot serve --------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvpush_common.vllm import compat
 from kvpush_common.vllm.compat import Features, LoadErrors
 from kvpush_common.vllm.connector import KVPushConnector
 from kvpush_common.vllm.metadata import KVPushMetadata
+from kvpush_common.vllm.parallel import ParallelSizes
 from kvpush_common.vllm.scheduler import SchedulerSide
 
 P_ID = "cmpl-3f1c-0-1a2b3c4d"  # vLLM's request id: "cmpl-" + X-Request-Id + prompt index + 8 random hex
@@ -28,7 +29,7 @@ IDENT = ProducerIdentity(engine_id="prefill-0", host="10.0.0.7", port=5700, tp_s
 
 def settings(role, mode="push"):
     return SimpleNamespace(role=role, engine_id="prefill-0" if role == "producer" else "decode-0", mode=mode,
-                           host="10.0.0.7", port=5700, tp_size=2, local_prefill_max_tokens=0)
+                           host="10.0.0.7", port=5700, tp_size=2, local_prefill_max_tokens=0, parallel=ParallelSizes())
 
 
 def request(req_id, params, tokens=40, status=RequestStatus.FINISHED_LENGTH_CAPPED):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from kvpush_common.testing.vllm_config import parallel_config
 from kvpush_common.vllm.settings import ConnectorSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "routers.md"
@@ -60,5 +61,5 @@ def test_every_kv_transfer_config_is_accepted_by_kvpush(cfg, monkeypatch):
                          kv_connector_extra_config=cfg.get("kv_connector_extra_config", {}))
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
     s = ConnectorSettings.from_vllm(SimpleNamespace(kv_transfer_config=kt, model_config=model,
-                                                    parallel_config=SimpleNamespace(tensor_parallel_size=8)))
+                                                    parallel_config=parallel_config(8)))
     assert s.role == {"kv_producer": "producer", "kv_consumer": "consumer"}[cfg["kv_role"]] and s.secret == b"doc"

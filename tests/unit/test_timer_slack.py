@@ -6,6 +6,7 @@ import threading
 
 from kvpush_common.endpoint.base import set_timer_slack
 from kvpush_common.endpoint.config import EndpointConfig
+from kvpush_common.testing.vllm_config import parallel_config
 
 _PR_GET_TIMERSLACK = 30
 
@@ -35,7 +36,7 @@ def test_timer_slack_is_a_connector_setting_and_bounded():
 
     kt = SimpleNamespace(kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config={"tuning": {"timer_slack_s": 0}})
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
-    cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=parallel_config(1))
     assert ConnectorSettings.from_vllm(cfg).endpoint_config(0).validate().timer_slack_s == 0.0  # the kernel's default
     for bad in (-1e-6, 0.5):
         with pytest.raises(ValueError, match="timer_slack_s"):

@@ -7,6 +7,7 @@ from collections import deque
 from kvpush_common.endpoint.metrics import EndpointStats
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.state.rendezvous import Outcome, Release
+from kvpush_common.testing.vllm_config import parallel_config
 from kvpush_common.vllm.metadata import KVPushMetadata, SendOp
 from kvpush_common.vllm.worker import WorkerSide
 
@@ -82,7 +83,7 @@ def test_poll_periods_come_from_the_connector_configs_tuning():
                          kv_connector_extra_config={"tuning": {"wire_poll_s": 0.0005, "write_poll_s": 0.0001,
                                                                "poll_s": 0.002}})
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8)
-    cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    cfg = SimpleNamespace(kv_transfer_config=kt, model_config=model, parallel_config=parallel_config(1))
     ep = ConnectorSettings.from_vllm(cfg).endpoint_config(0)
     assert (ep.wire_poll_s, ep.write_poll_s, ep.poll_s, ep.idle_poll_s) == (0.0005, 0.0001, 0.002, 0.01)
 
