@@ -4,17 +4,19 @@ Two contracts reach the connectors, and both become one internal form (`PrefillL
 `IdentityProbe`; `contract` says which one it came in, so the answer takes the same shape):
 
 * kvpush's own, `{"kvpush": "prefill" | "decode" | "identity", ...}` (`kvpush router`);
-* vLLM's NIXL contract, as vLLM 0.32/0.33's `kv_connector/v1/nixl/{push,pull}_scheduler.py` read and write
+* vLLM's NIXL contract, as vLLM 0.32-0.34's `kv_connector/v1/nixl/{push,pull}_scheduler.py` read and write
   it and vLLM's proxies and llm-d's sidecar send it: the prefill leg sets `do_remote_decode`, the decode leg
   `do_remote_prefill` plus P's coordinates (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
   `pp_size`, `remote_request_id`, `transfer_mode`), either built from P's answer (pull, and a push proxy's first
-  request) or from P's identity learned from an earlier answer (push, both legs at once).  `remote_host` and
+  request), from P's identity learned from an earlier answer (llm-d's push: both legs at once) or from P's
+  coordinates given to the proxy up front (vLLM's push demo: both legs at once).  `remote_host` and
   `remote_port` are kvpush's own side channel (ProducerIdentity.host/port), which the proxies copy unread.
 
-The transfer key of a NIXL leg is its `transfer_id` (llm-d's sidecar and vLLM's push proxy mint one per dispatch,
-retries included); without one it is vLLM's own pairing rule: the request id without the `-<8 hex>` suffix
-vLLM's input processor appends (`nixl/utils.get_base_request_id`), P's own on P; on D its own in push
-(`push_worker._pop_matching_registration`) and P's `remote_request_id` in pull.  A NIXL leg carries no attempt:
+The transfer key of a NIXL leg is its `transfer_id` when it has one: vLLM main's push demo (1db62a2d) and llm-d's
+sidecar mint one per dispatch, retries included, but vLLM's releases 0.32-0.34 read none (their nixl code pairs by
+request id and their push demo sends none).  Without one it is those releases' pairing rule: the request id without
+the `-<8 hex>` suffix vLLM's input processor appends (`nixl/utils.get_base_request_id`), P's own on P; on D its own
+in push (`push_worker._pop_matching_registration`) and P's `remote_request_id` in pull.  A NIXL leg carries no attempt:
 a retry is a new id, hence a new key.  Values arrive from HTTP, so they are typed and bounded here; a malformed
 or inconsistent leg becomes a `BadLeg` naming the problem, never an exception inside the engine.
 """

@@ -1,7 +1,9 @@
 """Benchmark-only modes, the references kvpush is measured against: vLLM's own connectors and one instance.
 
 * `nixl-pull` (vLLM's NixlConnector): P, then D with P's answer's kv_transfer_params as they came;
-* `nixl-push` (vLLM's NixlPushConnector): both legs at once, D's with P's coordinates from a start-up probe;
+* `nixl-push` (vLLM's NixlPushConnector): both legs at once under one X-Request-Id, D's with P's coordinates from a
+  start-up probe (vLLM releases 0.32-0.34 pair the legs by that request id; the `transfer_id` sent beside it is
+  what vLLM main's push demo sends, read by no release so far);
 * `single`: every request to the first decode URL, unchanged: no prefill leg, no retry.
 
 They plug into the request flow through `legs.LegPlan` (the NIXL modes) or replace it (`SingleInstance`), so
@@ -29,7 +31,9 @@ class NixlProducer(msgspec.Struct, frozen=True):
 
 
 def nixl_prefill_params(transfer_id: str | None = None) -> dict:
-    """NixlConnector's prefill request; NixlPushConnector also wants the transfer id."""
+    """NixlConnector's prefill request, with `transfer_id` when given: vLLM main's push demo (1db62a2d) and llm-d's
+    sidecar send one on both legs; vLLM's NIXL connectors of releases 0.32-0.34 read none and pair the legs by the
+    request id without its random suffix (both legs carry one X-Request-Id)."""
     params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
     if transfer_id is not None:

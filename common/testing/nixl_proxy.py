@@ -16,14 +16,21 @@ What it sends is what vLLM's proxies and llm-d's decode sidecar send (read in vl
   leg that fails before P answered cancels P, and its error is the answer; a failed prefill cancels D and is
   retried serially with a new `transfer_id`; a prefill answer with another identity cancels D and sends the decode
   leg again, built from that answer, under the same `transfer_id`.  A failed parallel dispatch forgets the
-  identity it used (`dropIfMatches`), so the next request is serial and learns it again.
+  identity it used (`dropIfMatches`), so the next request is serial and learns it again;
+* demo-push (NixlPushConnector), as vLLM's push demo `examples/disaggregated/disaggregated_serving/
+  disagg_proxy_pushconnector_demo.py` sends it: both legs at once from the first request, D's built from P's
+  coordinates given on the command line (`--prefill-engine-id`, `--prefill-kv-host`, `--prefill-side-channel-port`,
+  `--prefill-tp-size`, `--prefill-pp-size`) plus `do_remote_prefill` and `remote_request_id` (the shared
+  `X-Request-Id`); P's leg is the request with `max_tokens` 1 and `do_remote_decode`.  As released (vLLM 0.34.0
+  sdist) neither leg carries a `transfer_id`: P and D pair the legs by the request id.  `--transfer-id` adds one
+  fresh `transfer_id` per dispatch to both legs, as vLLM main's demo does (vllm-project/vllm 1db62a2d).
 
-Both legs of a dispatch carry one `X-Request-Id`.  `X-Dispatch` says how an answer was served: `serial`,
-`parallel`, `resent` (parallel, then D again with P's answer).  Test knobs (never in a real proxy): `prefill_delay_s` holds the
-prefill leg of a parallel dispatch back (so D's registration arrives first), `first_prefill_timeout_s` gives up
-on the prefill leg of the first parallel dispatch after that long (a retried leg).  Each answer says, in `X-Dispatch` and
-`X-Transfer-Ids`, how it was served.  Run: `python -m kvpush_common.testing.nixl_proxy --prefill URL --decode URL
---mode push|pull --port N`.
+Both legs of a dispatch carry one `X-Request-Id`, also returned on the answer.  `X-Dispatch` says how an answer
+was served: `serial`, `parallel`, `resent` (parallel, then D again with P's answer), `demo`; `X-Transfer-Ids` the
+transfer ids it sent.  Test knobs (never in a real proxy): `prefill_delay_s` holds the prefill leg of a parallel
+dispatch back (so D's registration arrives first), `first_prefill_timeout_s` gives up on the prefill leg of the
+first parallel dispatch after that long (a retried leg).  Run: `python -m kvpush_common.testing.nixl_proxy --prefill URL --decode URL
+--mode push|pull|demo-push --port N` (demo-push: plus P's coordinates, as the demo takes them).
 """
 
 from __future__ import annotations
@@ -74,10 +81,26 @@ def prefill_body(body: dict, transfer_id: str | None) -> dict:
     return leg
 
 
+def demo_legs(body: dict, coordinates: dict, request_id: str, transfer_id: str | None) -> tuple[dict, dict]:
+    """vLLM's push demo's two legs (`PushProxy._push_completion`): P's, then D's."""
+    prefill = dict(body, max_tokens=1)
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    decode = dict(body, kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True, **coordinates,
+                                            "remote_request_id": request_id})
+    if transfer_id is not None:  # vLLM main's demo only
+        prefill["kv_transfer_params"]["transfer_id"] = decode["kv_transfer_params"]["transfer_id"] = transfer_id
+    return prefill, decode
+
+
 class NixlProxy:
     def __init__(self, prefill: str, decode: str, mode: str, *, retries: int = 1, prefill_delay_s: float = 0.0,
-                 first_prefill_timeout_s: float | None = None):
+                 first_prefill_timeout_s: float | None = None, coordinates: dict | None = None,
+                 demo_transfer_id: bool = False):
         self.prefill, self.decode, self.mode = prefill.rstrip("/"), decode.rstrip("/"), mode
+        self.coordinates, self.demo_transfer_id = coordinates or {}, demo_transfer_id  # demo-push
         self.retries, self.prefill_delay_s, self.first_prefill_timeout_s = retries, prefill_delay_s, first_prefill_timeout_s
         self.identities: dict[str, dict] = {}  # prefill URL -> its push identity
         self.session: aiohttp.ClientSession | None = None
@@ -91,6 +114,8 @@ class NixlProxy:
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if self.mode == "demo-push":
+            return await self._demo(request.path, body)
         rid = str(uuid.uuid4())
         tids: list[str] = []
         dispatch = "serial"
@@ -113,14 +138,33 @@ class NixlProxy:
                 if 400 <= e.status < 500:
                     break  # the request's own fault: passed through, never retried
                 continue
-            return self._answer(status, raw, ctype, dispatch, tids)
+            return self._answer(status, raw, ctype, dispatch, tids, rid)
         status = last.status if last and last.status else 502
-        return self._answer(status, last.body if last else b"{}", "application/json", dispatch, tids)
+        return self._answer(status, last.body if last else b"{}", "application/json", dispatch, tids, rid)
 
     @staticmethod
-    def _answer(status, raw, ctype, dispatch, tids) -> web.Response:
+    def _answer(status, raw, ctype, dispatch, tids, rid) -> web.Response:
         return web.Response(status=status, body=raw, content_type=ctype.split(";")[0],
-                            headers={"X-Dispatch": dispatch, "X-Transfer-Ids": ",".join(tids)})
+                            headers={"X-Dispatch": dispatch, "X-Transfer-Ids": ",".join(tids), "X-Request-Id": rid})
+
+    async def _demo(self, path: str, body: dict) -> web.Response:
+        """vLLM's push demo: P's leg started, D's answer awaited, then P's leg (its answer unread)."""
+        rid = str(uuid.uuid4())
+        tid = f"xfer-{uuid.uuid4()}" if self.demo_transfer_id else None
+        prefill, decode = demo_legs(body, self.coordinates, rid, tid)
+
+        async def drain_prefill():
+            async with self.session.post(self.prefill + path, json=prefill, headers={"X-Request-Id": rid}) as resp:
+                await resp.read()
+                if resp.status >= 400:
+                    log.error("prefill leg answered %d", resp.status)
+
+        prefill_task = asyncio.create_task(drain_prefill())
+        try:
+            status, raw, ctype = await self._decode_leg(path, decode, rid, decode["kv_transfer_params"])
+        finally:
+            await asyncio.gather(prefill_task, return_exceptions=True)
+        return self._answer(status, raw, ctype, "demo", [tid] if tid else [], rid)
 
     async def _prefill_leg(self, path: str, body: dict, rid: str, tid: str | None, timeout: float | None = None) -> dict:
         try:
@@ -219,15 +263,30 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prefill", required=True)
     p.add_argument("--decode", required=True)
-    p.add_argument("--mode", choices=("push", "pull"), required=True)
+    p.add_argument("--mode", choices=("push", "pull", "demo-push"), required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--retries", type=int, default=1)
     p.add_argument("--prefill-delay-s", type=float, default=0.0)
     p.add_argument("--first-prefill-timeout-s", type=float, default=None)
+    # demo-push: P's coordinates, under the demo's flag names, and vLLM main's transfer_id
+    p.add_argument("--prefill-engine-id")
+    p.add_argument("--prefill-kv-host")
+    p.add_argument("--prefill-side-channel-port", type=int)
+    p.add_argument("--prefill-tp-size", type=int, default=1)
+    p.add_argument("--prefill-pp-size", type=int, default=1)
+    p.add_argument("--transfer-id", action="store_true")
     a = p.parse_args(argv)
+    coordinates = None
+    if a.mode == "demo-push":
+        if not (a.prefill_engine_id and a.prefill_kv_host and a.prefill_side_channel_port):
+            p.error("demo-push needs --prefill-engine-id, --prefill-kv-host and --prefill-side-channel-port")
+        coordinates = {"remote_engine_id": a.prefill_engine_id, "remote_host": a.prefill_kv_host,
+                       "remote_port": a.prefill_side_channel_port, "tp_size": a.prefill_tp_size,
+                       "pp_size": a.prefill_pp_size}
     logging.basicConfig(level=logging.INFO)
     proxy = NixlProxy(a.prefill, a.decode, a.mode, retries=a.retries, prefill_delay_s=a.prefill_delay_s,
-                      first_prefill_timeout_s=a.first_prefill_timeout_s)
+                      first_prefill_timeout_s=a.first_prefill_timeout_s, coordinates=coordinates,
+                      demo_transfer_id=a.transfer_id)
     web.run_app(make_app(proxy), host="127.0.0.1", port=a.port, print=None)
 
 

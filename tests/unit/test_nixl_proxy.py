@@ -25,12 +25,16 @@ def run_async(fn):
 class Fake:
     def __init__(self, role: str):
         self.role, self.engine, self.legs, self.cancelled = role, "P-old", [], []
+        self.bodies, self.request_ids = [], []
         self.decode_status = 200
         self.prefill_delay = 0.0
 
     async def generate(self, request):
-        kv = (await request.json())["kv_transfer_params"]
+        body = await request.json()
+        kv = body["kv_transfer_params"]
         self.legs.append(kv)
+        self.bodies.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         try:
             if self.role == "prefill":
                 await asyncio.sleep(self.prefill_delay)
@@ -46,7 +50,7 @@ class Fake:
 
 
 @contextlib.asynccontextmanager
-async def stack():
+async def stack(mode="push", **kw):
     p, d = Fake("prefill"), Fake("decode")
     async with contextlib.AsyncExitStack() as s:
         urls = []
@@ -56,7 +60,7 @@ async def stack():
             server = TestServer(app, host="127.0.0.1")
             await s.enter_async_context(server)
             urls.append(str(server.make_url("")).rstrip("/"))
-        proxy = NixlProxy(urls[0], urls[1], "push")
+        proxy = NixlProxy(urls[0], urls[1], mode, **kw)
         client = TestClient(TestServer(make_app(proxy), host="127.0.0.1"))
         await client.start_server()
         s.push_async_callback(client.close)
@@ -94,3 +98,27 @@ async def test_a_decode_that_fails_before_the_prefill_answered_ends_the_request_
         assert len(p.cancelled) == 1 and proxy.prefill not in proxy.identities
         p.prefill_delay, d.decode_status = 0.0, 200
         assert (await ask(client))[:2] == (200, "serial")  # learns the identity again
+
+
+COORDS = {"remote_engine_id": "prefill-0", "remote_host": "10.0.0.1", "remote_port": 5700, "tp_size": 1, "pp_size": 1}
+
+
+@run_async
+async def test_the_demo_push_proxy_sends_vllms_released_shape_and_mains():
+    """vLLM's disagg_proxy_pushconnector_demo.py: both legs at once from the first request, one X-Request-Id, D's
+    leg from the coordinates it was given; as released (0.34.0) no transfer_id, on main (1db62a2d) one on both."""
+    for main in (False, True):
+        async with stack("demo-push", coordinates=COORDS, demo_transfer_id=main) as (client, proxy, p, d):
+            for _ in range(2):
+                resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4})
+                assert resp.status == 200 and resp.headers["X-Dispatch"] == "demo"
+            rid = resp.headers["X-Request-Id"]
+            assert p.request_ids[-1] == d.request_ids[-1] == rid and len(set(d.request_ids)) == 2
+            assert p.bodies[-1]["max_tokens"] == 1 and d.bodies[-1]["max_tokens"] == 4
+            tid = {"transfer_id": resp.headers["X-Transfer-Ids"]} if main else {}
+            assert p.legs[-1] == {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                  "remote_block_ids": None, "remote_host": None, "remote_port": None, **tid}
+            assert d.legs[-1] == {"do_remote_decode": False, "do_remote_prefill": True, **COORDS,
+                                  "remote_request_id": rid, **tid}
+            assert not main or resp.headers["X-Transfer-Ids"].startswith("xfer-")
+            assert len(p.legs) == len(d.legs) == 2 and not proxy.identities  # nothing learned: always parallel
