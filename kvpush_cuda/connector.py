@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from kvpush_common.device.backend import DeviceBackend
+from kvpush_common.vllm import compat
 from kvpush_common.vllm.connector import KVPushConnector
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,29 @@ class KVPushCudaConnector(KVPushConnector):
                      "with layers %s does not put each block's layers outermost", sorted(orders or ()))
         return False
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM >= 0.34: by the NIXL backend the workers will choose (`efa.backend_name`, as `choose_transport` does
+        before its preflight): over UCX vLLM's extensible KV cache may hold the registered cache, as it does under
+        its own NixlConnector; over LIBFABRIC it must not (`compat.kv_cache_access` says why each)."""
+        from .efa import backend_name
+
+        return compat.kv_cache_access(backend_name(kv_transfer_config.kv_connector_extra_config or {}))
+
     def choose_transport(self, extra: dict):
-        """UCX, or LIBFABRIC after the EFA preflight (the default where the host has EFA devices)."""
+        """UCX, or LIBFABRIC after the EFA preflight (the default where the host has EFA devices).  LIBFABRIC is
+        refused under vLLM's extensible KV cache (CUDA VMM memory, on which the EFA provider fails RMA:
+        ofiwg/libfabric#12853); `kv_cache_access` keeps that cache off, so only an explicit request reaches this."""
         import os
 
         import torch
 
-        from .efa import choose_transport
+        from .efa import backend_name, choose_transport
 
+        if backend_name(extra) == "LIBFABRIC" and compat.extensible_kv_cache(self._vllm_config):
+            raise ValueError("kvpush over LIBFABRIC (EFA) cannot use vLLM's extensible KV cache: it is CUDA VMM "
+                             "memory, on which libfabric's EFA provider fails RMA (ofiwg/libfabric#12853); start "
+                             "vLLM with --no-enable-extensible-kv-cache")
         return choose_transport(extra, os.environ, gpus=max(1, torch.cuda.device_count()))
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:

@@ -13,7 +13,7 @@ from typing import Mapping
 from kvpush_common.transport.efa import SYSFS_RDMA, EfaPreflightError, common_efa_problems, efa_devices
 from kvpush_common.transport.nixl import TransportConfig
 
-__all__ = ["EfaPreflightError", "choose_transport", "efa_devices", "efa_preflight"]
+__all__ = ["EfaPreflightError", "backend_name", "choose_transport", "efa_devices", "efa_preflight"]
 
 
 def efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, gpus: int = 1,
@@ -24,13 +24,18 @@ def efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, gpus: int
                                fabric_version=fabric_version, what="GPUs")
 
 
-def choose_transport(extra: Mapping, env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, gpus: int = 1,
-                     fabric_version: tuple[int, int] | None | str = "probe") -> TransportConfig:
-    """`backend` from kv_connector_extra_config, else LIBFABRIC when EFA devices exist, else UCX;
-    LIBFABRIC only after a clean preflight (EfaPreflightError lists every problem otherwise)."""
+def backend_name(extra: Mapping, sysfs: Path = SYSFS_RDMA) -> str:
+    """`backend` from kv_connector_extra_config, else LIBFABRIC when EFA devices exist, else UCX."""
     backend = str(extra.get("backend") or ("LIBFABRIC" if efa_devices(sysfs) else "UCX")).upper()
     if backend not in ("UCX", "LIBFABRIC"):
         raise EfaPreflightError(f"unknown NIXL backend {backend!r}: use UCX or LIBFABRIC")
+    return backend
+
+
+def choose_transport(extra: Mapping, env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, gpus: int = 1,
+                     fabric_version: tuple[int, int] | None | str = "probe") -> TransportConfig:
+    """`backend_name`; LIBFABRIC only after a clean preflight (EfaPreflightError lists every problem otherwise)."""
+    backend = backend_name(extra, sysfs)
     if backend == "LIBFABRIC":
         problems = efa_preflight(env, sysfs=sysfs, gpus=gpus, fabric_version=fabric_version)
         if problems:

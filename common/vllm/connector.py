@@ -53,6 +53,14 @@ class KVPushConnector(KVConnectorBase_V1):
         return False
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM >= 0.34 asks how the workers reach the KV cache, to decide whether and how its extensible (CUDA VMM)
+        KV cache holds it: kvpush registers the KV tensors in place with NIXL.  The base serves vLLM's CPU build
+        (host memory, no extensible cache) and the Neuron plugin (vLLM offers that cache on CUDA and ROCm only);
+        the CUDA connector answers by NIXL backend.  `compat.kv_cache_access` says what each backend needs."""
+        return compat.kv_cache_access(None)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         """vLLM >= 0.29 asks the connector for a KV cache layout before allocating: the block-outermost BLHNC
         (block b of every layer in one span, heads outside tokens) is the cross-layer cache, asked where
@@ -88,6 +96,16 @@ class KVPushConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request) -> bool:
+        """vLLM >= 0.34, with --max-num-inflight-kv-loads: whether `get_num_new_matched_tokens` may answer an async
+        load for this request, asked as it enters a waiting queue (so cheaply, from its params).  True for a decode
+        leg on a consumer in either contract: vLLM's default reads only `do_remote_prefill`, which kvpush's own
+        `{"kvpush": "decode"}` does not set.  A leg marked as computed here (`do_remote_decode`) loads nothing."""
+        params = request.kv_transfer_params
+        if self.settings.role != "consumer" or not isinstance(params, dict) or params.get("do_remote_decode"):
+            return False
+        return params.get("kvpush") == "decode" or bool(params.get("do_remote_prefill"))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)

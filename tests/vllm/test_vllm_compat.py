@@ -41,24 +41,73 @@ def test_parse_version_rejects_garbage(text):
         parse_version(text)
 
 
-@pytest.mark.parametrize("version, transfer_results", [
-    ((0, 24, 0), False),
-    ((0, 25, 1), False),
-    ((0, 29, 0), False),
-    ((0, 30, 0), True),
-    ((0, 32, 0), True),
-    ((1, 0, 0), True),
+@pytest.mark.parametrize("version, transfer_results, kv_cache_access", [
+    ((0, 24, 0), False, False),
+    ((0, 25, 1), False, False),
+    ((0, 29, 0), False, False),
+    ((0, 30, 0), True, False),
+    ((0, 32, 0), True, False),
+    ((0, 33, 0), True, False),
+    ((0, 34, 0), True, True),
+    ((1, 0, 0), True, True),
 ])
-def test_features_by_version(version, transfer_results):
+def test_features_by_version(version, transfer_results, kv_cache_access):
     f = Features.of(version)
     assert f.version == version
     assert f.transfer_results is transfer_results
+    assert f.kv_cache_access is kv_cache_access
 
 
 @pytest.mark.parametrize("version", [(0, 23, 0), (0, 9, 2)])
 def test_older_than_supported_is_refused(version):
     with pytest.raises(RuntimeError, match="0.24.0"):
         Features.of(version)
+
+
+@pytest.mark.parametrize("version", [(0, 24, 0), (0, 32, 0), (0, 33, 0), (0, 34, 0)])
+def test_checked_releases_start_silently(version):
+    assert compat.check_release(version, {}) is None
+
+
+@pytest.mark.parametrize("version", [(0, 34, 1), (0, 34, 12)])
+def test_a_newer_patch_release_starts_with_a_warning_naming_it(version):
+    """A patch release keeps the connector API as a rule (vLLM adds hooks in minor releases): refusing it would
+    hold users on a checked release's bugs, so it starts, with a warning naming it and the newest checked."""
+    text = compat.check_release(version, {})
+    assert f"{version[0]}.{version[1]}.{version[2]}" in text and "0.34.0" in text
+
+
+@pytest.mark.parametrize("version", [(0, 35, 0), (0, 40, 2), (1, 0, 0)])
+def test_a_newer_minor_release_is_refused_unless_named(version):
+    dotted = ".".join(map(str, version))
+    with pytest.raises(RuntimeError, match=rf"up to 0\.34\.0; found vLLM {dotted}.*{compat.UNCHECKED_ENV}={dotted}"):
+        compat.check_release(version, {})
+    with pytest.raises(RuntimeError, match="does not name it"):  # the override names one release, not any later
+        compat.check_release(version, {compat.UNCHECKED_ENV: "0.34.5"})
+    with pytest.raises(RuntimeError, match="does not name it"):
+        compat.check_release(version, {compat.UNCHECKED_ENV: "yes"})
+    text = compat.check_release(version, {compat.UNCHECKED_ENV: dotted})
+    assert dotted in text and "unchecked" in text
+
+
+def test_the_gate_runs_when_the_connector_is_imported(tmp_path):
+    """compat refuses at import, so vLLM fails at start naming the release: a stand-in `vllm` 0.35.0 first on the
+    path."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.35.0"\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop(compat.UNCHECKED_ENV, None)
+    run = subprocess.run([sys.executable, "-c", "import kvpush_common.vllm.compat"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "found vLLM 0.35.0" in run.stderr, run.stderr[-2000:]
+
+
+def test_newest_checked_is_the_newest_release_read_or_run():
+    assert compat.NEWEST_CHECKED == max(compat.TESTED + compat.API_CHECKED) == (0, 34, 0)
 
 
 def test_tested_releases_are_supported_and_straddle_every_change():
@@ -162,6 +211,7 @@ def test_compat_agrees_with_the_installed_vllm():
     assert hasattr(base.KVConnectorBase_V1, "get_transfer_results") is has
     if has:
         assert compat.TransferResults is base.KVConnectorTransferResults
+    assert compat.VLLM.kv_cache_access is hasattr(base.KVConnectorBase_V1, "kv_cache_access")
     r = compat.TransferResults()
     assert (r.finished_sending, r.finished_recving, r.failed_recving) == (set(), set(), set())
 
@@ -197,7 +247,10 @@ def stub_config(kt, *, use_mla=False, sleep=False):
     model = SimpleNamespace(served_model_name="m", model="m", get_total_num_kv_heads=lambda: 8, use_mla=use_mla,
                             enable_sleep_mode=sleep, enable_cumem_allocator=False)
     return SimpleNamespace(kv_transfer_config=kt, model_config=model, cache_config=SimpleNamespace(kv_cache_layout=None),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+                           parallel_config=SimpleNamespace(
+                               tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1,
+                               prefill_context_parallel_size=1, data_parallel_size=1, data_parallel_index=0,
+                               data_parallel_rank=0, data_parallel_external_lb=False))
 
 
 def test_sleep_mode_is_refused_where_vllm_asks_and_where_it_does_not():
