@@ -20,13 +20,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvpush_common.transport.efa import (NIXL_LIBFABRIC_NEEDS, SYSFS_RDMA, EfaPreflightError, efa_devices,
-                                         libfabric_version)
+from kvpush_common.transport.efa import (SYSFS_RDMA, EfaPreflightError, efa_devices, libfabric_problem,
+                                         libfabric_version, nixl_fabric_symbol)
 from kvpush_common.transport.nixl import TransportConfig
 
 from .runtime import parse_core_list
 
 PHYSICAL_CORES_PER_CHIP = 8  # Trainium2 (NeuronCore-v3) and Trainium3 (NeuronCore-v4)
+# The fix for a libfabric too old for the installed NIXL: on a Neuron host the NIXL is the plugin's own pin
+# (nixl==1.3.2, FABRIC_1.7: libfabric >= 1.20, which the SDK's EFA installer 1.47 has); only a NIXL installed
+# over it (1.5.1: FABRIC_1.10, EFA installer >= 1.51.0) needs a newer one.
+NEURON_NIXL_FIX = ("keep the NIXL the vLLM Neuron plugin pins (reinstall the SDK's plugin: its nixl==1.3.2 needs "
+                   "FABRIC_1.7, which the SDK's EFA installer has) or install EFA installer >= 1.51.0 "
+                   "(libfabric 2.7) and put /opt/amazon/efa/lib first on LD_LIBRARY_PATH")
 
 
 def cores_per_chip(env: Mapping[str, str]) -> int:
@@ -42,7 +48,8 @@ def rank_rails(cores: list[int], devices: list[str], per_chip: int) -> list[str 
     return [devices[c // per_chip] if c // per_chip < len(devices) else None for c in cores]
 
 
-def fabric_env_problems(env: Mapping[str, str], fabric_version: tuple[int, int] | None | str = "probe") -> list[str]:
+def fabric_env_problems(env: Mapping[str, str], fabric_version: tuple[int, int] | None | str = "probe",
+                        fabric_symbol: str | None = "probe") -> list[str]:
     """The provider, device-RDMA and libfabric rules as the plugin states them: unset is fine, a value
     that turns EFA or its RDMA off is not."""
     problems = []
@@ -58,15 +65,15 @@ def fabric_env_problems(env: Mapping[str, str], fabric_version: tuple[int, int] 
     if version is None:
         problems.append("libfabric.so.1 not found: install the EFA installer's libfabric (/opt/amazon/efa/lib) "
                         "and put it on LD_LIBRARY_PATH")
-    elif version < NIXL_LIBFABRIC_NEEDS:
-        problems.append(f"libfabric {version[0]}.{version[1]} lacks the FABRIC_1.10 symbols NIXL's LIBFABRIC "
-                        f"plugin links against: use libfabric >= {NIXL_LIBFABRIC_NEEDS[0]}.{NIXL_LIBFABRIC_NEEDS[1]}")
+    elif problem := libfabric_problem(version, nixl_fabric_symbol() if fabric_symbol == "probe" else fabric_symbol,
+                                      NEURON_NIXL_FIX):
+        problems.append(problem)
     return problems
 
 
 def neuron_efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, same_host: bool = True,
                          fabric_version: tuple[int, int] | None | str = "probe",
-                         chips: int | None = None) -> list[str]:
+                         chips: int | None = None, fabric_symbol: str | None = "probe") -> list[str]:
     """Everything wrong with this host for Neuron HBM over LIBFABRIC/EFA, each with its fix (empty: ready).
     `same_host`: a peer (P or D) may run on this host, which needs the shm transport off.  `chips`: the
     Trainium chips of this host (/dev/neuron*), when known.  Cores are the server's NEURON_VISIBLE_DEVICES
@@ -89,18 +96,20 @@ def neuron_efa_preflight(env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, sa
     if same_host and env.get("FI_EFA_ENABLE_SHM_TRANSFER") != "0":
         problems.append("FI_EFA_ENABLE_SHM_TRANSFER is not 0: set it to 0 when prefill and decode share a host "
                         "(the shm transport is taken otherwise and gives wrong output)")
-    problems += fabric_env_problems(env, fabric_version)
+    problems += fabric_env_problems(env, fabric_version, fabric_symbol)
     return problems
 
 
 def neuron_transport(extra: Mapping, env: Mapping[str, str], *, sysfs: Path = SYSFS_RDMA, same_host: bool = True,
-                     fabric_version: tuple[int, int] | None | str = "probe") -> TransportConfig:
+                     fabric_version: tuple[int, int] | None | str = "probe",
+                     fabric_symbol: str | None = "probe") -> TransportConfig:
     """LIBFABRIC after a clean preflight (EfaPreflightError lists every problem otherwise); any other
     backend is refused, since NIXL's Neuron HBM support lives in its LIBFABRIC plugin."""
     backend = str(extra.get("backend") or "LIBFABRIC").upper()
     if backend != "LIBFABRIC":
         raise EfaPreflightError(f"NIXL backend {backend!r} cannot register Neuron HBM: use LIBFABRIC (EFA)")
-    problems = neuron_efa_preflight(env, sysfs=sysfs, same_host=same_host, fabric_version=fabric_version)
+    problems = neuron_efa_preflight(env, sysfs=sysfs, same_host=same_host, fabric_version=fabric_version,
+                                    fabric_symbol=fabric_symbol)
     if problems:
         raise EfaPreflightError("Neuron LIBFABRIC/EFA preflight failed:\n  - " + "\n  - ".join(problems))
     params = {k: str(v) for k, v in dict(extra.get("backend_params") or {}).items()}

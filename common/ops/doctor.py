@@ -90,53 +90,86 @@ def check_module(name: str, module: str, dists: Sequence[str], fix: str, *, warn
     return Check(name, True, f"{dv[0]} {dv[1]}" if dv else f"{module} (version unknown)")
 
 
-def nixl_plugin_dirs(env: Mapping[str, str]) -> list[Path]:
-    """Where NIXL looks for backend plugins: NIXL_PLUGIN_DIR, then the plugin folders of the nixl wheels."""
-    dirs = [Path(env["NIXL_PLUGIN_DIR"])] if env.get("NIXL_PLUGIN_DIR") else []
-    for entry in sys.path:
-        base = Path(entry or ".")
-        if not base.is_dir():
-            continue
-        dirs += sorted(base.glob("nixl*.libs/nixl")) + sorted(base.glob(".nixl*.mesonpy.libs/plugins"))
-    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+# Run with the server's environment: imports NIXL as the server would (the `nixl` meta package picks nixl_cu13 or
+# nixl_cu12 by torch's CUDA build), then test-loads each backend's plugin of THAT package (NIXL_PLUGIN_DIR first),
+# after NIXL's own libraries, as the agent loads its plugins.  Prints one JSON line.
+_PLUGIN_PROBE = r"""
+import ctypes, importlib.metadata, json, os, sys
+from pathlib import Path
+out = {"package": "", "version": "", "error": "", "plugins": {}}
+dirs = [Path(os.environ["NIXL_PLUGIN_DIR"])] if os.environ.get("NIXL_PLUGIN_DIR") else []
+try:
+    import nixl._api as api
+    pkg = api.__name__.split(".")[0]
+    site = Path(api.__file__).resolve().parent.parent
+    out["package"], out["version"] = pkg, importlib.metadata.version(pkg.replace("_", "-"))
+    dirs += [site / f"{pkg}.libs" / "nixl", site / f".{pkg}.mesonpy.libs" / "plugins"]
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+for backend in sys.argv[1:]:
+    path = next((d / f"libplugin_{backend}.so" for d in dirs if (d / f"libplugin_{backend}.so").is_file()), None)
+    err = ""
+    if path is not None:
+        try:
+            ctypes.CDLL(str(path))
+        except OSError as e:
+            err = str(e)
+    out["plugins"][backend] = {"path": str(path) if path else "", "error": err,
+                               "searched": ", ".join(map(str, dirs))}
+print(json.dumps(out))
+"""
 
 
-def _dlopen_error(path: Path, env: Mapping[str, str]) -> str:
-    """'' if the NIXL plugin loads (all its libraries and symbols resolve) in a subprocess with `env`, else the
-    error: NIXL dlopens it the same way and reports only "unsupported backend" when that fails."""
-    # NIXL's own libraries first (the plugin links against them), as the agent loads its plugins
-    code = ("import ctypes,sys\ntry: import nixl._api\nexcept Exception: pass\n"
-            "try: ctypes.CDLL(sys.argv[1])\nexcept OSError as e: print(e)")
+def probe_nixl(env: Mapping[str, str], backends: Sequence[str]) -> dict:
+    """Which NIXL the server's environment imports, and each backend's plugin of it test-loaded (a subprocess:
+    NIXL dlopens a plugin the same way and reports only "unsupported backend" when that fails)."""
     try:
-        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
-                             env=dict(env))
+        out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE, *backends], capture_output=True, text=True,
+                             timeout=120, env=dict(env))
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"could not test-load: {e}"
-    return (out.stdout.strip() or (out.stderr.strip()[-300:] if out.returncode else ""))
+        return {"error": f"could not run the NIXL probe: {e}", "plugins": {}}
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"error": f"the NIXL probe failed (rc={out.returncode}): {out.stderr.strip()[-300:]}", "plugins": {}}
+    return json.loads(lines[-1])
 
 
-def check_nixl(env: Mapping[str, str], backends: Sequence[str]) -> list[Check]:
-    """NIXL importable, and each backend's plugin present and loadable with this environment."""
-    mod = check_module("nixl", "nixl", ("nixl", "nixl-cu13", "nixl-cu12"),
-                       f"{NIXL_INSTALL} (scripts/setup-venv.sh does)")
-    checks = [mod]
-    dirs = nixl_plugin_dirs(env)
+def check_nixl(env: Mapping[str, str], backends: Sequence[str], *, install_fix: str = "") -> list[Check]:
+    """The NIXL this environment imports (whichever release: kvpush calls the same API in every release it
+    tests), and each backend's plugin of that NIXL present and loadable.  `install_fix`: how this target gets
+    NIXL (default: kvpush's own pin)."""
+    from kvpush_common.transport.nixl import NIXL_TESTED
+
+    install_fix = install_fix or f"{NIXL_INSTALL} (scripts/setup-venv.sh does)"
+    mod = check_module("nixl", "nixl", ("nixl", "nixl-cu13", "nixl-cu12"), install_fix)
+    if not mod.ok:
+        return [mod]
+    found = probe_nixl(env, backends)
+    if not found.get("package"):
+        return [Check("nixl", False, "does not import", (f"import nixl failed: {found.get('error')}: {install_fix}",))]
+    version = found["version"]
+    checks = [Check("nixl", True, f"{found['package']} {version}")]
+    if version not in NIXL_TESTED:
+        checks.append(Check("nixl-version", False, version, (
+            f"NIXL {version} is not a release kvpush tests ({', '.join(NIXL_TESTED)}): kvpush calls the same Python "
+            "API in each, so it likely works, but it is unverified",), warn=True))
     for backend in backends:
         name = f"nixl-plugin-{backend}"
-        path = next((d / f"libplugin_{backend}.so" for d in dirs if (d / f"libplugin_{backend}.so").exists()), None)
-        if path is None:
-            where = ", ".join(map(str, dirs)) or "no NIXL plugin directory found"
+        plugin = found["plugins"].get(backend) or {}
+        if not plugin.get("path"):
+            where = plugin.get("searched") or "no NIXL plugin directory found"
             checks.append(Check(name, False, "missing", (
                 f"libplugin_{backend}.so not found ({where}): install the nixl-cu13 wheel or set NIXL_PLUGIN_DIR to "
                 "the folder holding the NIXL plugins",)))
             continue
-        err = _dlopen_error(path, env)
+        err = plugin["error"]
         if not err:
-            checks.append(Check(name, True, str(path)))
+            checks.append(Check(name, True, plugin["path"]))
             continue
         fix = plugin_load_fix(err) if backend == "LIBFABRIC" else "install the libraries it names"
-        checks.append(Check(name, False, f"{path} does not load",
-                            (f"NIXL would refuse backend {backend!r} (\"unsupported backend\"): {err}; fix: {fix}",)))
+        checks.append(Check(name, False, f"{plugin['path']} does not load",
+                            (f"NIXL {version} would refuse backend {backend!r} (\"unsupported backend\"): {err}; "
+                             f"fix: {fix}",)))
     return checks
 
 
@@ -147,7 +180,7 @@ def check_fabric(env: Mapping[str, str], hmem_for: str, probe=None) -> Check:
 
     info = (probe or fabric_info.probe_subprocess)(dict(env))
     if info is None:
-        return Check("libfabric", False, "not found", (f"libfabric.so.1 not found: {LIBFABRIC_PLUGIN_NEEDS[1][1]}",))
+        return Check("libfabric", False, "not found", (f"libfabric.so.1 not found: {_ANY_FABRIC}",))
     if isinstance(info, str):
         return Check("libfabric", False, "probe failed", (info,))
     listed = ", ".join(f"{p}{' (FI_HMEM)' if h else ''}" for p, h in sorted(info.providers.items())) or "none"
@@ -168,23 +201,33 @@ def check_fabric(env: Mapping[str, str], hmem_for: str, probe=None) -> Check:
     return Check("libfabric", not problems, detail, tuple(problems))
 
 
-# What NIXL 1.5.1's LIBFABRIC plugin links, and how each is provided (measured: docs/design.md section 10).
+# What NIXL's LIBFABRIC plugin links, and how each is provided (measured: docs/design.md section 10; the FABRIC_1.x
+# symbol version is per NIXL release: 1.3.2 FABRIC_1.7, 1.5.1 FABRIC_1.10, see transport/efa.py).
+_ANY_FABRIC = ("a libfabric exporting the FABRIC_1.x symbols the installed NIXL's plugin links (nixl 1.3.2: FABRIC_1.7, "
+               "libfabric >= 1.20; nixl 1.5.1: FABRIC_1.10, libfabric >= 2.7) must come first on LD_LIBRARY_PATH (the "
+               "EFA installer's, in /opt/amazon/efa/lib)")
 LIBFABRIC_PLUGIN_NEEDS = (
-    ("FABRIC_1.10", "a libfabric exporting FABRIC_1.10 (libfabric >= 2.7: the EFA installer's, in /opt/amazon/efa/lib) "
-                    "must come first on LD_LIBRARY_PATH"),
-    ("libfabric.so.1", "a libfabric exporting FABRIC_1.10 (libfabric >= 2.7: the EFA installer's, in "
-                       "/opt/amazon/efa/lib) must come first on LD_LIBRARY_PATH"),
+    ("libfabric.so.1: cannot open", _ANY_FABRIC),
     ("libcuda.so.1", "the nixl-cu13 plugin links libcuda.so.1: on GPU hosts install the NVIDIA driver; on hosts without "
                      "one (Trainium) use a NIXL built without CUDA, or build the four-function stand-in kvpush keeps "
                      "(common/testing/native/libcuda_standin.c: cc -shared -fPIC -o libcuda.so.1 ...) onto "
                      "LD_LIBRARY_PATH"),
     ("libcudart.so.13", "pip install nvidia-cuda-runtime==13.0.96 and add its nvidia/cu13/lib to LD_LIBRARY_PATH"),
+    ("libcudart.so.12", "pip install nvidia-cuda-runtime-cu12 and add its nvidia/cuda_runtime/lib to LD_LIBRARY_PATH"),
     ("libhwloc.so.15", "apt-get install libhwloc15"),
 )
 
 
 def plugin_load_fix(error: str) -> str:
-    """The fix for a LIBFABRIC plugin load error: the first library the loader names that we know."""
+    """The fix for a LIBFABRIC plugin load error: a missing FABRIC_1.x symbol version names the libfabric release
+    that has it; otherwise the first library the loader names that we know."""
+    from kvpush_common.transport.efa import FABRIC_SYMBOL_SINCE
+
+    symbol = next((s for s in FABRIC_SYMBOL_SINCE if f"`{s}'" in error), None)
+    if symbol:
+        v = FABRIC_SYMBOL_SINCE[symbol]
+        return (f"a libfabric exporting {symbol} (libfabric >= {v[0]}.{v[1]}: the EFA installer's, in "
+                "/opt/amazon/efa/lib) must come first on LD_LIBRARY_PATH, or use the NIXL your platform pins")
     for needle, fix in LIBFABRIC_PLUGIN_NEEDS:
         if needle in error:
             return fix

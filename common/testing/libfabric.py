@@ -5,6 +5,11 @@ build in ../shared/vendor/libfabric, or KVPUSH_LIBFABRIC_DIR), libcuda.so.1 (on 
 driver: a stand-in built here from native/libcuda_standin.c), libcudart.so.13 and libhwloc.so.15 (Debian
 libhwloc15).  libfabric's tcp provider skips loopback interfaces, so the endpoints run inside a private
 network namespace with a veth pair: nothing outside it is reachable from it.
+
+A stock Neuron SDK host has the vLLM Neuron plugin's own NIXL (nixl==1.3.2, FABRIC_1.7) and the EFA installer's
+libfabric (1.47: the 2.4 line, FABRIC_1.8).  scripts/setup-venv.sh installs that NIXL into SDK_NIXL_DIR (a
+--target folder put first on PYTHONPATH); its libfabric is the first of KVPUSH_LIBFABRIC_DIR, the vendored build
+and the system's that exports FABRIC_1.7 (Debian bookworm's 1.17 stops at FABRIC_1.6).
 """
 
 from __future__ import annotations
@@ -18,8 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 VENDORED = ROOT.parent / "shared" / "vendor" / "libfabric" / "lib"
 CUDART_DIRS = ("/usr/local/cuda-13.0/lib", "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64")
-SYMBOL_VERSION = b"FABRIC_1.10"
+SYMBOL_VERSION = "FABRIC_1.10"  # what kvpush's own NIXL (1.5.1) links
 IFACE = "vA"
+SDK_NIXL = "1.3.2"  # the vLLM Neuron plugin's pin (requirements/core.txt), on every SDK release it is known for
+SDK_NIXL_DIR = ROOT / f".venv-nixl-{SDK_NIXL}"
+SDK_NIXL_INSTALL = (f"pip install --no-deps --target {SDK_NIXL_DIR.name} nixl=={SDK_NIXL} nixl-cu13=={SDK_NIXL} "
+                    "(scripts/setup-venv.sh does)")
 
 # lo up, a veth pair (the tcp provider needs a non-loopback interface), IPv6 off; then the command.
 NETNS_SETUP = ("ip link set lo up && ip link add vA type veth peer name vB && ip addr add 127.0.0.2/32 dev vA "
@@ -27,29 +36,36 @@ NETNS_SETUP = ("ip link set lo up && ip link add vA type veth peer name vB && ip
                '&& exec "$@"')
 
 
-def _exports_fabric_1_10(path: Path) -> bool:
+def _exports(path: Path, symbol: str) -> bool:
     try:
-        return SYMBOL_VERSION in path.read_bytes()
+        return symbol.encode() + b"\x00" in path.read_bytes()
     except OSError:
         return False
 
 
-def find_libfabric() -> Path | None:
+def find_libfabric(symbol: str = SYMBOL_VERSION) -> Path | None:
     """The libfabric shared object to use: KVPUSH_LIBFABRIC_DIR, else the vendored build beside the
-    checkout, else the system's, if it exports FABRIC_1.10.  The vendored copy stores its symlinks as
-    small text files, so the real file is found by name."""
+    checkout, else the system's, the first that exports `symbol`.  The vendored copy stores its symlinks
+    as small text files, so the real file is found by name."""
     dirs = [Path(os.environ["KVPUSH_LIBFABRIC_DIR"])] if os.environ.get("KVPUSH_LIBFABRIC_DIR") else []
     dirs.append(VENDORED)
     for d in dirs:
         for p in sorted(d.glob("libfabric.so.1*"), key=lambda p: -p.stat().st_size) if d.is_dir() else ():
-            if _exports_fabric_1_10(p):
+            if _exports(p, symbol):
                 return p
     system = ctypes.util.find_library("fabric")
     if system:
         for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/opt/amazon/efa/lib"):
             p = Path(d) / system
-            if p.exists() and _exports_fabric_1_10(p.resolve()):
+            if p.exists() and _exports(p.resolve(), symbol):
                 return p.resolve()
+    return None
+
+
+def sdk_nixl_problem() -> str | None:
+    """What is missing of the Neuron SDK's NIXL (installed by this project's setup), or None."""
+    if not (SDK_NIXL_DIR / "nixl_cu13.libs" / "nixl" / "libplugin_LIBFABRIC.so").is_file():
+        return f"NIXL {SDK_NIXL} (the vLLM Neuron plugin's pin) at {SDK_NIXL_DIR}: {SDK_NIXL_INSTALL}"
     return None
 
 
@@ -91,25 +107,29 @@ def setup_problems() -> list[str]:
     return out
 
 
-def library_dir(work: Path) -> Path:
-    """A directory for LD_LIBRARY_PATH: libfabric.so.1 (a real link to the found build) and, without an
-    NVIDIA driver, the stand-in libcuda.so.1."""
+def library_dir(work: Path, libfabric: Path | None = None) -> Path:
+    """A directory for LD_LIBRARY_PATH: libfabric.so.1 (a real link to `libfabric`, default the found
+    FABRIC_1.10 build) and, without an NVIDIA driver, the stand-in libcuda.so.1."""
     work.mkdir(parents=True, exist_ok=True)
     link = work / "libfabric.so.1"
     if link.is_symlink() or link.exists():
         link.unlink()
-    link.symlink_to(find_libfabric())
+    link.symlink_to(libfabric or find_libfabric())
     if not Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists():
         src = Path(__file__).parent / "native" / "libcuda_standin.c"
         subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(work / "libcuda.so.1"), str(src)], check=True)
     return work
 
 
-def environment(work: Path, base: dict | None = None) -> dict:
-    """Environment of a process that uses NIXL LIBFABRIC over the namespace's veth."""
+def environment(work: Path, base: dict | None = None, *, libfabric: Path | None = None,
+                nixl_dir: Path | None = None) -> dict:
+    """Environment of a process that uses NIXL LIBFABRIC over the namespace's veth (with `nixl_dir`: the NIXL
+    installed there, first on PYTHONPATH, instead of the venv's)."""
     env = dict(os.environ if base is None else base)
-    libs = [str(library_dir(work)), str(find_cudart())]
+    libs = [str(library_dir(work, libfabric)), str(find_cudart())]
     env["LD_LIBRARY_PATH"] = ":".join(libs + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p])
+    if nixl_dir is not None:
+        env["PYTHONPATH"] = ":".join([str(nixl_dir)] + [p for p in env.get("PYTHONPATH", "").split(":") if p])
     env.update(FI_PROVIDER="tcp", FI_TCP_IFACE=IFACE)
     return env
 

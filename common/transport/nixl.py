@@ -83,9 +83,12 @@ def _quiet_ucx_env() -> None:
         os.environ.setdefault("UCX_MODULES", "^ib")
 
 
-# The one NIXL release kvpush is built and tested against (scripts read it from here).  The `nixl` meta
-# wheel requires both CUDA variants, so it goes in with --no-deps beside the CUDA 13 build.
+# The NIXL release kvpush installs where nothing else pins one (its own venv, the CUDA target; scripts read it
+# from here).  The `nixl` meta wheel requires both CUDA variants, so it goes in with --no-deps beside the CUDA 13
+# build.  Where a platform pins its own NIXL (the vLLM Neuron plugin: nixl==1.3.2), kvpush uses that one and
+# installs nothing over it: every call below is the same in 1.3.2 and 1.5.1 (their nixl/_api.py compared).
 NIXL_VERSION = "1.5.1"
+NIXL_TESTED = ("1.3.2", NIXL_VERSION)  # the releases kvpush's tests run on (1.3.2: tests/libfabric, SDK pair)
 # Backends whose release of a running transfer does not stop its bytes: LIBFABRIC cancels nothing (NIXL
 # source); UCX cancels its requests, yet bytes already handed to the wire or copied land anyway, up to a few
 # hundred ms after release over tcp.  So no running transfer is released.

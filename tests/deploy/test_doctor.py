@@ -85,8 +85,8 @@ def test_json_output_and_plans(capsys, tmp_path):
 @pytest.fixture
 def no_plugin_load(monkeypatch):
     """The NIXL plugin test-load (a subprocess) has its own test."""
-    monkeypatch.setattr(doctor, "check_nixl", lambda env, backends: [doctor.Check(f"nixl-plugin-{b}", True, "stub")
-                                                                     for b in backends])
+    monkeypatch.setattr(doctor, "check_nixl", lambda env, backends, **kw: [
+        doctor.Check(f"nixl-plugin-{b}", True, "stub") for b in backends])
 
 
 def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):

@@ -1,14 +1,20 @@
 """`kvpush doctor --target neuron` on a correct host of each Neuron SDK release kvpush supports, and on the
 wrong stacks a first install meets, each named with its fix.  The Python stack is faked with distribution
 metadata (and empty packages where the check looks for one) ahead of the real site-packages; the host's
-runtime library, libfabric and NIXL plugin load are faked as well (each has its own test in test_doctor.py)."""
+runtime library and libfabric providers are faked (each has its own test in test_doctor.py).  The NIXL and
+libfabric versions are each release's own: the plugin's pinned NIXL (the real nixl 1.3.2 wheel, installed by
+scripts/setup-venv.sh) and the libfabric line of the SDK's EFA installer, never kvpush's newer NIXL."""
 
 from pathlib import Path
 
 import pytest
 
 from kvpush_common.ops import doctor
+from kvpush_common.testing import libfabric
+from kvpush_common.transport import fabric_info
+from kvpush_common.transport.efa import nixl_fabric_symbol, plugin_fabric_symbol
 from kvpush_neuron import target
+from kvpush_neuron.efa import neuron_efa_preflight
 from kvpush_neuron.target import neuron_checks, plugin_vllm_check
 
 # The Python stack of each Neuron SDK release, as its release content and component notes name it
@@ -27,6 +33,10 @@ SDK_STACKS = {
 }
 MODULES = {"libtorch-neuronx-lite": "libtorch_neuronx_lite", "torch-neuronx": "torch_neuronx",
            "vllm-neuron": "vllm_neuron"}
+# What a stock host of each release has below Python (docs/neuron.md, facts table): the plugin's nixl==1.3.2
+# (vllm-neuron 0.24's requirements/core.txt; 0.29's is in no stored source, so the same pin is assumed) and
+# the SDK manifest's efa-installer 1.47 (2026-01-29), whose libfabric is of the 2.4 line (FABRIC_1.8).
+SDK_NIXL, SDK_LIBFABRIC = libfabric.SDK_NIXL, (2, 4)
 
 # What the plugin's DI tutorial exports (tutorial-di-1p1d-xpyd.md) for the decode of its 1P1D: its worker sets
 # NEURON_RT_MAP_HBM=1 and one NEURON_RT_VISIBLE_CORES per rank itself; nothing else of EFA is set.
@@ -53,8 +63,8 @@ def trn_host(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "check_library", lambda name, soname, fix, **kw: doctor.Check(name, True, soname)
                         if soname == "libnrt.so.1" else real(name, soname, fix, **kw))
     monkeypatch.setattr(doctor, "check_fabric", lambda env, hmem_for, probe=None: doctor.Check("libfabric", True, "efa"))
-    monkeypatch.setattr(doctor, "check_nixl", lambda env, backends: [doctor.Check(f"nixl-plugin-{b}", True, "stub")
-                                                                     for b in backends])
+    monkeypatch.setattr(doctor, "check_nixl", lambda env, backends, **kw: [
+        doctor.Check(f"nixl-plugin-{b}", True, "stub") for b in backends])  # loaded for real in its own test below
     dev = tmp_path / "dev"
     dev.mkdir()
     for i in range(16):
@@ -65,7 +75,15 @@ def trn_host(monkeypatch, tmp_path):
     for i in range(16):
         (sysfs / f"rdmap{i:02d}s0" / "device").mkdir(parents=True)
         (sysfs / f"rdmap{i:02d}s0" / "device" / "driver").symlink_to(drivers)
-    return lambda env: {c.name: c for c in neuron_checks(env, None, dev=dev, sysfs=sysfs, fabric_version=(2, 7))}
+    return lambda env: {c.name: c for c in neuron_checks(env, None, dev=dev, sysfs=sysfs, fabric_version=SDK_LIBFABRIC,
+                                                         fabric_symbol=sdk_plugin_symbol())}
+
+
+def sdk_plugin_symbol() -> str:
+    """What the real nixl 1.3.2 wheel's LIBFABRIC plugin links (FABRIC_1.7), read from the installed wheel."""
+    missing = libfabric.sdk_nixl_problem()
+    assert missing is None, f"run scripts/setup-venv.sh: missing {missing}"
+    return plugin_fabric_symbol(libfabric.SDK_NIXL_DIR / "nixl_cu13.libs" / "nixl" / "libplugin_LIBFABRIC.so")
 
 
 @pytest.mark.parametrize("release", SDK_STACKS)
@@ -124,3 +142,43 @@ def test_a_missing_libcuda_gets_the_plugins_stub_fix():
     assert "cuda-cudart-dev-12-6" in c.problems[0] and "libcuda_standin.c" not in c.problems[0]
     ok = doctor.Check("nixl-plugin-LIBFABRIC", True, "loads")
     assert target._stub_fix(ok) is ok
+
+
+def test_the_sdks_nixl_needs_an_older_libfabric_than_kvpushs():
+    """The preflight asks the libfabric of the NIXL the host has: the SDK's nixl 1.3.2 runs on the SDK's EFA
+    installer (libfabric 2.4); kvpush's 1.5.1 would not (FABRIC_1.10: libfabric >= 2.7, EFA installer >= 1.51.0),
+    and a libfabric older than 1.20 is too old even for 1.3.2.  Symbols read from the real wheels."""
+    sdk = sdk_plugin_symbol()
+    ours = nixl_fabric_symbol()  # the venv's NIXL: kvpush's own pin
+    assert (sdk, ours) == ("FABRIC_1.7", "FABRIC_1.10")
+    env = {**TUTORIAL_ENV, "NEURON_VISIBLE_DEVICES": "0-3"}
+    problems = neuron_efa_preflight(env, sysfs=Path("/nonexistent"), fabric_version=SDK_LIBFABRIC, fabric_symbol=sdk)
+    assert len(problems) == 1 and "no EFA device" in problems[0], problems  # none on this machine
+    newer = "\n".join(neuron_efa_preflight(env, sysfs=Path("/nonexistent"), fabric_version=SDK_LIBFABRIC,
+                                           fabric_symbol=ours))
+    assert "libfabric 2.4 lacks the FABRIC_1.10 symbols" in newer and "libfabric >= 2.7" in newer
+    assert "nixl==1.3.2" in newer and "EFA installer >= 1.51.0" in newer
+    old = "\n".join(neuron_efa_preflight(env, sysfs=Path("/nonexistent"), fabric_version=(1, 17), fabric_symbol=sdk))
+    assert "libfabric 1.17 lacks the FABRIC_1.7 symbols" in old and "libfabric >= 1.20" in old
+
+
+SDK_FABRIC = libfabric.find_libfabric("FABRIC_1.7")
+
+
+@pytest.mark.skipif(SDK_FABRIC is None, reason="system library absent: no libfabric exporting FABRIC_1.7")
+def test_the_sdks_own_nixl_loads_and_passes_the_preflight(tmp_path):
+    """The real nixl 1.3.2 (the plugin's pin) imported as the server imports it, its LIBFABRIC plugin test-loaded
+    over a libfabric exporting FABRIC_1.7 (the first of KVPUSH_LIBFABRIC_DIR, the vendored build, the system's),
+    and the preflight on that libfabric's own version: no check fails, and nothing asks for kvpush's NIXL."""
+    assert libfabric.sdk_nixl_problem() is None, f"run scripts/setup-venv.sh: missing {libfabric.sdk_nixl_problem()}"
+    env = libfabric.environment(tmp_path / "lib", libfabric=SDK_FABRIC, nixl_dir=libfabric.SDK_NIXL_DIR)
+    checks = {c.name: c for c in doctor.check_nixl(env, ["LIBFABRIC"], install_fix=target.NIXL_FIX)}
+    assert checks["nixl"].ok and checks["nixl"].detail.endswith(f" {SDK_NIXL}"), checks["nixl"]
+    assert "nixl-version" not in checks  # a release kvpush tests
+    plugin = checks["nixl-plugin-LIBFABRIC"]
+    assert plugin.ok and str(libfabric.SDK_NIXL_DIR) in plugin.detail, plugin
+    info = fabric_info.probe_subprocess(env)
+    assert info is not None and not isinstance(info, str), info
+    problems = neuron_efa_preflight({**TUTORIAL_ENV, "NEURON_VISIBLE_DEVICES": "0-3"}, sysfs=Path("/nonexistent"),
+                                    fabric_version=info.version, fabric_symbol=sdk_plugin_symbol())
+    assert len(problems) == 1 and "no EFA device" in problems[0], problems  # none on this machine

@@ -7,7 +7,9 @@
 set -euo pipefail
 
 KP_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
-NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' "$KP_REPO/common/transport/nixl.py")}  # the one pin
+# kvpush's own NIXL pin, installed for the CUDA target only: on Neuron the SDK's plugin brings its own
+# (nixl==1.3.2), which kvpush uses as it is (installing another over it breaks the plugin's NixlConnector)
+NIXL_VERSION=${NIXL_VERSION:-$(sed -n 's/^NIXL_VERSION = "\(.*\)"$/\1/p' "$KP_REPO/common/transport/nixl.py")}
 PYTHON=${PYTHON:-python3}
 VLLM=${VLLM:-vllm}
 if [ -z "${KVPUSH:-}" ]; then
@@ -107,12 +109,12 @@ kp_on() {
 
 kp_install() {
   local spec
-  if [ "$KP_TARGET" = neuron ]; then  # the SDK's plugin brings vLLM and torch's `neuron` device (docs/neuron.md)
-    spec="$PYTHON -c 'import vllm_neuron' && $PYTHON -m pip install -e \"$KP_REPO\""
+  if [ "$KP_TARGET" = neuron ]; then  # the SDK's plugin brings vLLM, torch's `neuron` device and NIXL (docs/neuron.md)
+    spec="$PYTHON -c 'import vllm_neuron, nixl' && $PYTHON -m pip install -e \"$KP_REPO\""
   else
     spec="$PYTHON -m pip install -e \"$KP_REPO[cuda]\""
+    spec="$spec && $PYTHON -m pip install --no-deps nixl==$NIXL_VERSION nixl-cu13==$NIXL_VERSION"
   fi
-  spec="$spec && $PYTHON -m pip install --no-deps nixl==$NIXL_VERSION nixl-cu13==$NIXL_VERSION"
   local h
   for h in $(printf '%s\n' "$KP_PREFILL_HOST" "$KP_DECODE_HOST" | sort -u); do kp_on "$h" "$spec"; done
 }
