@@ -22,6 +22,7 @@ kv_load_failure_policy=recompute).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import OrderedDict
 from typing import Callable
@@ -101,6 +102,19 @@ class BlockIdGuard:
         return results
 
 
+def window_block_missing(window: int, block_size: int, num_prompt_tokens: int, num_computed_tokens: int) -> str | None:
+    """A sliding-window decode computes the prompt itself when the prefill instance has freed a block the decode's
+    recompute of the prompt's last token reads (`kv_groups.window_block_freed_on_prefill`: one prompt length in
+    block_size); received, that block would be vLLM's null block on both sides."""
+    from kvpush_common.vllm.kv_groups import window_block_freed_on_prefill
+
+    if num_computed_tokens + window > num_prompt_tokens or not window_block_freed_on_prefill(
+            num_prompt_tokens, window, block_size):
+        return None
+    return (f"a {num_prompt_tokens}-token prompt in a {window}-token sliding window: the prefill instance freed the "
+            f"block of token {num_prompt_tokens - window}, which the decode's recompute of the last token reads")
+
+
 def neuron_settings_problems(settings, kv_cache_config=None) -> list[str]:
     """The settings and KV cache groups the vLLM Neuron plugin cannot serve, each with its fix."""
     from kvpush_common.vllm.kv_groups import kv_group_problem
@@ -135,6 +149,8 @@ class KVPushNeuronConnector(KVPushConnector):
         from kvpush_common.vllm.kv_groups import sliding_window_of
 
         self._window = sliding_window_of(kv_cache_config)  # the scheduler role always has the KVCacheConfig
+        if self._window and self._sched is not None:
+            self._sched.computes_here = functools.partial(window_block_missing, *self._window)
 
     def build_connector_meta(self, scheduler_output) -> KVPushMetadata:
         """A sliding-window group's decode asks only for the window's blocks.  vLLM hands the decode's blocks

@@ -13,7 +13,12 @@ What the real plugin does, and this connector reproduces (docs/neuron.md has the
   compiled model, so save_kv_layer and wait_for_layer_load are never called (vLLM-CPU's attention layers
   do call them; here they do nothing, as if they had not been called);
 - block ids as vLLM's scheduler gives them (null block 0 included): the plugin's -1 exists only in its
-  attention kernel's block table, never in the connector's metadata.
+  attention kernel's block table, never in the connector's metadata;
+- the plugin's scheduler's padding decision (`SimulatedNeuronScheduler`, `--scheduler-cls
+  kvpush_neuron.simulated_plugin.SimulatedNeuronScheduler`): a prefill is padded to a compiled bucket unless its
+  kv_transfer_params lack `do_remote_decode`, which the plugin takes for a decode node's one-token recompute
+  after a KV load.  A longer prefill it would run unpadded has no compiled graph on a trn host; here it stops
+  the engine with UnpaddedPrefillError, so a leg that lacks the flag fails the test that sends it.
 
 What is real: vLLM (scheduler, engine, the connector API), KVPushNeuronConnector's worker path (the
 Neuron backend's layout description and registration through the runtime interface, BlockIdGuard), the
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpush_common.transport.nixl import TransportConfig
 from kvpush_common.vllm.metadata import KVPushMetadata
@@ -48,6 +55,54 @@ def _runtime():
     if _RUNTIME is None:
         _RUNTIME = ready_sim_runtime()
     return _RUNTIME
+
+
+class UnpaddedPrefillError(RuntimeError):
+    """The plugin's scheduler would run this prefill unpadded, on a graph compiled for none of its shapes."""
+
+
+def plugin_skips_padding(kv_transfer_params, has_connector_metadata: bool) -> bool:
+    """`NeuronScheduler._should_skip_prefilling_padding_in_di` (vllm-neuron `vllm_neuron/vllm/core/scheduler.py`,
+    docs/neuron.md): no padding for a request with kv_transfer_params that lack a true `do_remote_decode`, in a
+    step whose scheduler output carries connector metadata (every step, with a connector configured)."""
+    return (has_connector_metadata and kv_transfer_params is not None
+            and not kv_transfer_params.get("do_remote_decode", False))
+
+
+def plugin_unpadded_prefills(requests: dict, scheduler_output) -> list[str]:
+    """The scheduled prefills of more than one token the plugin would run unpadded, as its
+    `_apply_padding_and_log_stats` classifies them: a prefill while the step's num_computed_tokens (pre-increment,
+    from the scheduler output) is below the prompt length.  One token is the recompute after a KV load (a decode)."""
+    computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    if cached is not None:
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    has_meta = scheduler_output.kv_connector_metadata is not None
+    out = []
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        request = requests.get(req_id)
+        if request is None:
+            continue
+        if (computed[req_id] if req_id in computed else request.num_computed_tokens) >= request.num_prompt_tokens:
+            continue
+        if n > 1 and plugin_skips_padding(request.kv_transfer_params, has_meta):
+            out.append(f"{req_id} ({n} tokens, kv_transfer_params {request.kv_transfer_params})")
+    return out
+
+
+class SimulatedNeuronScheduler(Scheduler):
+    """vLLM's scheduler with the plugin's padding decision checked each step (the plugin's NeuronScheduler
+    subclasses vLLM's Scheduler too; its buckets, holdback queue and one-prefill-per-step rule are not
+    simulated: vllm-cpu runs any shape)."""
+
+    def schedule(self):
+        out = super().schedule()
+        unpadded = plugin_unpadded_prefills(self.requests, out)
+        if unpadded:
+            raise UnpaddedPrefillError(
+                "the vLLM Neuron plugin's scheduler would run these prefills unpadded, taking each for a decode "
+                "node's one-token recompute (kv_transfer_params without do_remote_decode): " + "; ".join(unpadded))
+        return out
 
 
 def plugin_register_view(runtime, kv_cache_config, engine_kv: dict) -> dict:

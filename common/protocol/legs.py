@@ -116,6 +116,13 @@ class _NixlParams(msgspec.Struct, frozen=True):
     transfer_mode: Literal["push", "pull"] | None = None
 
 
+# kv_transfer_params fields that mark a request an instance computes itself as a prefill, for the vLLM Neuron
+# plugin's scheduler: it pads a prefill to a compiled bucket unless the request's kv_transfer_params lack
+# `do_remote_decode`, which it takes for a decode node's one-token recompute after a KV load
+# (`NeuronScheduler._should_skip_prefilling_padding_in_di`, docs/neuron.md).  A kvpush leg is read from its own
+# fields only, so the mark changes nothing else.
+COMPUTED_HERE = {"do_remote_decode": True}
+
 _KVPUSH_FIELDS = ("kvpush", "transfer_id", "attempt", "producer", "consumer_tp")
 _COORDINATES = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z", re.IGNORECASE)  # vLLM's input_processor.assign_request_id

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvpush_common.protocol.legs import DecodeLeg, IdentityProbe, Leg, PrefillLeg, ProducerIdentity
+from kvpush_common.protocol.legs import COMPUTED_HERE, DecodeLeg, IdentityProbe, Leg, PrefillLeg, ProducerIdentity
 from kvpush_common.router.context import RequestContext
 from kvpush_common.router.replies import IdentityParams, UpstreamReply
 
@@ -27,7 +27,9 @@ def leg_params(leg: Leg) -> dict:
 
 
 def push_prefill_params(transfer_id: str, attempt: int, consumer_tp: int | None = None) -> dict:
-    return leg_params(PrefillLeg(transfer_id=transfer_id, attempt=attempt, consumer_tp=consumer_tp))
+    """A prefill leg, marked a prefill the instance computes (`COMPUTED_HERE`: the Neuron plugin pads it)."""
+    return {**leg_params(PrefillLeg(transfer_id=transfer_id, attempt=attempt, consumer_tp=consumer_tp)),
+            **COMPUTED_HERE}
 
 
 def push_decode_params(transfer_id: str, attempt: int, producer: ProducerIdentity) -> dict:
@@ -36,8 +38,8 @@ def push_decode_params(transfer_id: str, attempt: int, producer: ProducerIdentit
 
 def identity_probe_params(transfer_id: str | None = None, attempt: int = 0) -> dict:
     """Who are you (an instance answers its ProducerIdentity); naming an attempt also asks a decode instance
-    whether that attempt's KV receive failed (RecvReport)."""
-    return leg_params(IdentityProbe(transfer_id=transfer_id, attempt=attempt))
+    whether that attempt's KV receive failed (RecvReport).  The instance computes the probe's prompt itself."""
+    return {**leg_params(IdentityProbe(transfer_id=transfer_id, attempt=attempt)), **COMPUTED_HERE}
 
 
 def prefill_body(body: dict, kv_params: dict, chat: bool) -> dict:

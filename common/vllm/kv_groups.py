@@ -72,8 +72,18 @@ def sliding_window_of(kv_cache_config) -> tuple[int, int] | None:
 
 
 def window_first_token(num_tokens: int, first_token: int, window: int, block_size: int) -> int:
-    """The first token a decode needs of a `num_tokens` prompt in a `window`-token sliding window: the blocks
-    wholly before token num_tokens - window + 1 are never attended again (vLLM's SlidingWindowManager frees
-    exactly those on the prefill side), so they are not asked for."""
-    dropped = max(0, num_tokens - window + 1) // block_size * block_size
+    """The first token a decode needs of a `num_tokens` prompt in a `window`-token sliding window.  After a KV load
+    vLLM computes the prompt's last token again (num_computed_tokens N - 1, `Scheduler._update_waiting_for_remote_kv`),
+    and that token attends tokens [N - window, N - 1]: the blocks wholly before token N - window are never read
+    again (the vLLM Neuron plugin's NeuronNixlConnectorScheduler bounds the window there, docs/neuron.md)."""
+    dropped = max(0, num_tokens - window) // block_size * block_size
     return min(num_tokens, max(first_token, dropped))
+
+
+def window_block_freed_on_prefill(num_tokens: int, window: int, block_size: int) -> bool:
+    """Whether the prefill instance has freed a block the decode needs: vLLM's SlidingWindowManager frees, when the
+    prefill finishes (`Scheduler._connector_finished` -> `remove_skipped_blocks`), the blocks wholly before token
+    N - window + 1 (`get_num_skipped_tokens(N)`), one token later than the decode's recompute reads (above).  The two
+    bounds fall in different blocks when N - window + 1 is a positive block multiple: with a window of whole blocks,
+    when N mod block_size is block_size - 1."""
+    return num_tokens - window + 1 > 0 and (num_tokens - window + 1) % block_size == 0

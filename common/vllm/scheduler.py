@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from vllm.v1.request import RequestStatus
 
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.vllm.compat import VLLM
 from kvpush_common.vllm.metadata import AbortOp, DeclineOp, KVPushMetadata, RecvOp, RejectOp, SendOp
-from kvpush_common.protocol.legs import (BadLeg, DecodeLeg, IdentityProbe, PrefillLeg, check_role, nixl_answer,
-                                         read_leg)
+from kvpush_common.protocol.legs import (COMPUTED_HERE, BadLeg, DecodeLeg, IdentityProbe, PrefillLeg, check_role,
+                                         nixl_answer, read_leg)
 from kvpush_common.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,10 @@ FAILED_KEPT = 4096  # failed receives remembered for the router's probe (RecvRep
 
 
 class SchedulerSide:
+    # a device connector's own reason to compute a prompt here instead of receiving it, from
+    # (num_prompt_tokens, num_computed_tokens); None: receive it
+    computes_here: Callable[[int, int], str | None] | None = None
+
     def __init__(self, settings: ConnectorSettings):
         self.settings = settings
         self._meta = KVPushMetadata()
@@ -43,10 +47,24 @@ class SchedulerSide:
         self._rejecting: dict[str, str] = {}  # bad kv_transfer_params: request -> why, until its blocks are allocated
         self._failed: OrderedDict[TransferKey, str] = OrderedDict()  # consumer: failed receive -> producer engine
         self._recv_blocks: dict[str, frozenset[int]] = {}  # consumer, vLLM < 0.30: awaiting request -> its blocks
+        self._marked: dict[str, dict] = {}  # consumer: request computed here -> its kv_transfer_params as they came
+
+    def _computed_here(self, request) -> None:
+        """This decode instance computes the request's prompt itself (a declined or failed receive, a sibling's
+        prefix, a rejected leg): mark it a prefill (`COMPUTED_HERE`) so the vLLM Neuron plugin's scheduler pads it
+        to a compiled bucket, as it pads every request without kv_transfer_params.  Unmarked, the plugin takes it
+        for the one-token recompute after a KV load and runs the whole prompt unpadded.  The leg is still read
+        from the params as they came."""
+        params = request.kv_transfer_params
+        if request.request_id in self._marked or not isinstance(params, dict) or params.get("do_remote_decode"):
+            return
+        self._marked[request.request_id] = params
+        request.kv_transfer_params = {**params, **COMPUTED_HERE}
 
     def _leg(self, request):
         """The request's leg in either contract (protocol.legs), checked against this instance's role."""
-        leg = read_leg(request.kv_transfer_params, request.request_id, self.settings.mode)
+        leg = read_leg(self._marked.get(request.request_id, request.kv_transfer_params), request.request_id,
+                       self.settings.mode)
         return check_role(leg, self.settings.role)
 
     # ---- consumer ------------------------------------------------------------------------------
@@ -54,21 +72,27 @@ class SchedulerSide:
         leg = self._leg(request)
         if isinstance(leg, BadLeg):
             return self._reject(request, num_computed_tokens, leg)
-        if not isinstance(leg, DecodeLeg) or request.request_id in self._handled:
+        if not isinstance(leg, DecodeLeg):
+            return 0, False
+        if request.request_id in self._handled:  # declined, or its receive failed and it is recomputed here
+            self._computed_here(request)
             return 0, False
         key = TransferKey(leg.transfer_id, leg.attempt)
         if self._receiver.get(key, request.request_id) != request.request_id:
             return None, False  # a sibling sample receives this prompt: not schedulable yet (vLLM asks again)
         if key in self._received:
+            self._computed_here(request)
             return 0, False  # a sibling received it: the prompt's full blocks are in the prefix cache now
         remaining = request.num_prompt_tokens - num_computed_tokens
         if remaining <= 0:
             return 0, False
-        if self._computes_tail_locally(num_computed_tokens, remaining):
+        why = (f"{num_computed_tokens} prompt tokens cached here, {remaining} computed here"
+               if self._computes_tail_locally(num_computed_tokens, remaining)
+               else self.computes_here(request.num_prompt_tokens, num_computed_tokens) if self.computes_here else None)
+        if why:
+            self._computed_here(request)
             self._handled.add(request.request_id)  # asked again (no free blocks yet): still computed here
-            self._meta.declines.append(DeclineOp(
-                request.request_id, leg.transfer_id, leg.attempt, leg.producer,
-                f"{num_computed_tokens} prompt tokens cached here, {remaining} computed here"))
+            self._meta.declines.append(DeclineOp(request.request_id, leg.transfer_id, leg.attempt, leg.producer, why))
             return 0, False
         return remaining, True
 
@@ -77,6 +101,8 @@ class SchedulerSide:
         earliest point where vLLM can end the request cleanly (by kv_load_failure_policy), its blocks freed."""
         req_id = request.request_id
         if req_id in self._handled:
+            if self.settings.role == "consumer":
+                self._computed_here(request)
             return 0, False  # its failed load is being recomputed (kv_load_failure_policy recompute)
         remaining = request.num_prompt_tokens - num_computed_tokens
         log.error("kvpush: request %s: %s", req_id, leg.reason)
@@ -121,6 +147,7 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         leg = self._leg(request)
+        self._marked.pop(request.request_id, None)
         if leg is None:
             return False, None
         if isinstance(leg, BadLeg):

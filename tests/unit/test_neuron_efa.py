@@ -96,3 +96,23 @@ def test_config_plans_a_trn3_gen2_server(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["env"]["NEURON_VISIBLE_DEVICES"] == "8-11"  # the second half of 16 cores: chip 2
     assert "Trainium chips 2 (1 EFA rails)" in plan["notes"][0]
+
+
+def test_the_tutorials_two_host_environment_passes_the_default(tmp_path):
+    """same_host stays true by default: the plugin's DI tutorial exports FI_EFA_ENABLE_SHM_TRANSFER=0 in every server
+    terminal, on one host and in its multi-node step alike (docs/neuron.md), so a two-host pair launched from the
+    tutorial's environment passes with the connector's defaults; without it only a same-host pair is refused."""
+    from kvpush_common.vllm.extra_config import ExtraConfig
+
+    tutorial = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0", "FI_EFA_ENABLE_SHM_TRANSFER": "0",
+                "NEURON_VISIBLE_DEVICES": "0-3"}
+    default = ExtraConfig().same_host
+    sysfs = fake_sysfs(tmp_path, 16)
+
+    def shm(env, same_host):
+        return [p for p in neuron_efa_preflight(env, sysfs=sysfs, same_host=same_host, fabric_version=(2, 7))
+                if "FI_EFA_ENABLE_SHM_TRANSFER" in p]
+
+    assert default is True and shm(tutorial, default) == []
+    without = {k: v for k, v in tutorial.items() if k != "FI_EFA_ENABLE_SHM_TRANSFER"}
+    assert shm(without, False) == [] and shm(without, default)

@@ -252,7 +252,8 @@ def test_push_leg_bodies():
     producer = ProducerIdentity(**IDENTITY)
     p = prefill_body(client, push_prefill_params("t1", 3), chat=False)
     assert p == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
-                 "kv_transfer_params": {"kvpush": "prefill", "transfer_id": "t1", "attempt": 3}}
+                 "kv_transfer_params": {"kvpush": "prefill", "transfer_id": "t1", "attempt": 3,
+                                        "do_remote_decode": True}}
     d = decode_body(client, push_decode_params("t1", 3, producer))
     assert d == {**client, "kv_transfer_params": {"kvpush": "decode", "transfer_id": "t1", "attempt": 3,
                                                   "producer": IDENTITY}}
@@ -294,10 +295,12 @@ async def test_push_dispatches_both_legs_at_once():
         assert len(tid) == 32 and int(tid, 16) >= 0
         assert pl.body == {**body, "max_tokens": 1, "stream": False,
                            "kv_transfer_params": {"kvpush": "prefill", "transfer_id": tid, "attempt": 0,
-                                                  "consumer_tp": IDENTITY["tp_size"]}}  # D's, from its probe
+                                                  "consumer_tp": IDENTITY["tp_size"],  # D's, from its probe
+                                                  "do_remote_decode": True}}
         assert dl.body == {**body, "kv_transfer_params": {"kvpush": "decode", "transfer_id": tid, "attempt": 0,
                                                           "producer": IDENTITY}}
-        assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity"} and p.probes[0]["model"] == "tiny-prefill"
+        assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity", "do_remote_decode": True}
+        assert p.probes[0]["model"] == "tiny-prefill"
         stamps = json.loads(resp.headers["x-kvpush-timeline"])
         # D's first byte is read as it comes, so it may be stamped just before P's answer is looked at
         assert stamps["dispatched"] <= min(stamps["prefill_done"], stamps["first_byte"]) <= stamps["done"]
@@ -796,10 +799,11 @@ async def test_kvpush_pull_sends_the_decode_leg_after_the_prefill_answered():
         [pl], [dl] = p.legs, d.legs
         assert dl.arrived >= pl.finished
         tid = pl.params["transfer_id"]
-        assert pl.params == {"kvpush": "prefill", "transfer_id": tid, "attempt": 0, "consumer_tp": IDENTITY["tp_size"]}
+        assert pl.params == {"kvpush": "prefill", "transfer_id": tid, "attempt": 0, "consumer_tp": IDENTITY["tp_size"],
+                             "do_remote_decode": True}
         assert dl.params == {"kvpush": "decode", "transfer_id": tid, "attempt": 0, "producer": IDENTITY}
-        assert d.probes[0]["kv_transfer_params"] == {"kvpush": "identity"}  # D's TP size, asked once
-        assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity"}
+        assert d.probes[0]["kv_transfer_params"] == {"kvpush": "identity", "do_remote_decode": True}  # D's TP, once
+        assert p.probes[0]["kv_transfer_params"] == {"kvpush": "identity", "do_remote_decode": True}
 
 
 @run_async
@@ -874,7 +878,7 @@ async def test_a_decode_leg_that_failed_for_a_stale_identity_is_retried_with_the
         tid = d.legs[0].params["transfer_id"]
         assert d.failed_recvs == {(tid, 0): "prefill-0"}
         asked = [pr["kv_transfer_params"] for pr in d.probes if "transfer_id" in pr["kv_transfer_params"]]
-        assert asked == [{"kvpush": "identity", "transfer_id": tid, "attempt": 0}]
+        assert asked == [{"kvpush": "identity", "transfer_id": tid, "attempt": 0, "do_remote_decode": True}]
         [timeline] = await (await client.get("/timelines")).json()
         assert timeline["outcome"] == "ok" and timeline["attempt"] == 1 and "migrated_from" not in timeline
         metrics = await (await client.get("/metrics")).text()
