@@ -105,7 +105,8 @@ DEFAULTS_KEPT: dict[str, str] = {
         "0.34, base.py:198-203, read by VllmConfig._resolve_num_hash_lookahead_tokens (vllm/config/vllm.py:633-655) "
         "only under an EAGLE drafter with block drop: True would make block hashes cover the drafter's lookahead "
         "tokens too.  kvpush never reads block hashes (it moves the blocks vLLM allocates), so its bytes do not "
-        "depend on the answer; False keeps the prefix caching of 0.33 and before, which kvpush was tested under."),
+        "depend on the answer; False keeps what 0.33 gave every KV connector, the legacy hashes (0.33.0's "
+        "VllmConfig.num_hash_lookahead_tokens, vllm/config/vllm.py:677-692), under which kvpush was tested."),
     "unregister_kv_caches": "0.33, called around a sleep: kvpush refuses sleep mode (supports_sleep_mode is False).",
     "restore_kv_caches": "0.33, called around a sleep: kvpush refuses sleep mode (supports_sleep_mode is False).",
 }

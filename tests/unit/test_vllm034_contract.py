@@ -15,7 +15,9 @@ installed vLLM.
 from __future__ import annotations
 
 import ast
+import copy
 import enum
+import functools
 import hashlib
 import inspect
 import io
@@ -84,12 +86,18 @@ def src() -> Path:
     return release_files()
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def class_def(path: Path, name: str) -> ast.ClassDef:
-    return next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    return next(n for n in parsed(path).body if isinstance(n, ast.ClassDef) and n.name == name)
 
 
 def method_def(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
-    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    """A copy, free to change: the parsed module is shared."""
+    return copy.deepcopy(next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name))
 
 
 def hooks(path: Path) -> dict[str, ast.FunctionDef]:
