@@ -72,7 +72,8 @@ and `KVConnectorMetadata`, the scheduler hooks (`get_num_new_matched_tokens`,
 use, and the CPU KV tensor per layer `[blocks, kv_heads, block_size, 2 * head_size]`.
 `--middleware` (vLLM's API-server option that `leg_check` plugs into) is read in 0.29.0 and 0.32.0.  Hooks
 only 0.32.0 has (`requires_kv_delivery`, `get_loaded_kv_cache_group_ids`, `has_pending_block_frees`,
-`SchedulerOutput.has_sync_kv_loads`, ...) keep their defaults; kvpush does not override them.
+`SchedulerOutput.has_sync_kv_loads`, ...) keep their defaults; kvpush does not override them
+(`DEFAULTS_KEPT` says why each).
 """
 
 from __future__ import annotations
@@ -98,9 +99,39 @@ NEWEST_CHECKED: Version = max(TESTED + API_CHECKED)
 UNCHECKED_ENV = "KVPUSH_VLLM_UNCHECKED"  # set to the exact newer release (e.g. 0.35.0) to start on it anyway
 CROSS_LAYER_LAYOUT = "BLHNC"  # vllm/v1/kv_cache_layout.py: block outermost, then layer, heads, tokens, channels
 
-# Hooks of KVConnectorBase_V1 added after the release CI runs (0.32.0) that kvpush deliberately leaves at vLLM's
-# default, and why (tests/unit/test_vllm034_contract.py: every such hook is answered by kvpush or named here).
+# Hooks of KVConnectorBase_V1 added after 0.26.0 (the CUDA release measured) that kvpush deliberately leaves at
+# vLLM's default, and why; line numbers are 0.34.0's.  tests/unit/test_vllm034_contract.py: every hook 0.34.0 has
+# and the installed release lacks is answered by each kvpush connector or named here, and none named is overridden.
 DEFAULTS_KEPT: dict[str, str] = {
+    "requires_kv_delivery": (
+        "0.32, base.py:215-225: the producer role by default, so vLLM recomputes a request preempted while its "
+        "hand-off is pending instead of finishing it on blocks the preemption freed; P's push is such a hand-off."),
+    "supports_divergent_local_hybrid_hits": (
+        "0.32, base.py:189-196: restoring recurrent state for hybrid models; kvpush moves one KV cache group and "
+        "refuses models with more (kv_groups), so False, the default, is its answer."),
+    "get_loaded_kv_cache_group_ids": (
+        "0.32, base.py:523-531: the groups a load writes, which vLLM then does not zero concurrently "
+        "(skip_zeroing_group_ids, v1/core/sched/scheduler.py:1505); the default, the prefix-cacheable transfer "
+        "groups, is kvpush's one attention group, every group it serves."),
+    "has_pending_block_frees": (
+        "0.32, base.py:704-706: True makes the scheduler wait for transfers to free blocks instead of preempting "
+        "(scheduler.py:940-944); kvpush keeps vLLM's preemption, which its tests run under."),
+    "get_mem_pool_context": (
+        "0.32, base.py:260-265: a connector's own KV allocation pool; kvpush registers vLLM's allocation as it is."),
+    "get_external_cache_hit_sources": (
+        "0.32, base.py:568-585: a metrics label for external hits (EXTERNAL_UNSPECIFIED by default); nothing "
+        "kvpush does depends on it."),
+    "register_finished_partial_tail": (
+        "0.32, base.py:682-693: offloading a finished request's partial last block; kvpush pushes whole prompts "
+        "from request_finished and keeps no partial tails."),
+    "bind_kv_cache_manager": (
+        "0.32, base.py:508-511: hands the scheduler's KV cache manager over; kvpush's scheduler side needs only the "
+        "blocks vLLM passes to update_state_after_alloc and request_finished."),
+    "finish_forward": (
+        "0.32, base.py:336-338: the model no longer reads this step's KV; kvpush fences its WRITEs per step itself "
+        "(kv_fence) and moves a request's KV only before (receive) or after (push) its forward passes."),
+    "reset_capture_state": (
+        "0.32, base.py:340-342: worker state changed while capturing CUDA graphs; kvpush changes none then."),
     "supports_lookahead_block_hashes": (
         "0.34, base.py:198-203, read by VllmConfig._resolve_num_hash_lookahead_tokens (vllm/config/vllm.py:633-655) "
         "only under an EAGLE drafter with block drop: True would make block hashes cover the drafter's lookahead "

@@ -181,6 +181,7 @@ def test_hooks_new_since_the_installed_release_are_answered_or_kept_with_a_reaso
         answered = [kvpush_defines(cls, name) for cls in CLASSES]
         assert all(answered) or (name in compat.DEFAULTS_KEPT and not any(answered)), (name, answered)
     assert set(compat.DEFAULTS_KEPT) <= set(new), "a kept default that 0.34 does not have"
+    assert not [(cls.__name__, name) for cls in CLASSES for name in compat.DEFAULTS_KEPT if kvpush_defines(cls, name)]
     assert all(len(why) > 40 for why in compat.DEFAULTS_KEPT.values())
 
 
