@@ -75,9 +75,11 @@ def release_files(version: str = RELEASE, members=FILES) -> Path:
                 pass
     assert digest.hexdigest() == sdist["hashes"]["sha256"], "the sdist does not match PyPI's index"
     assert set(found) == set(members), set(members) - set(found)
-    for name, data in found.items():
+    for name, data in found.items():  # each file whole or not at all: an interrupted run leaves no torn source
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        (dest / name).write_bytes(data)
+        part = dest / (name + ".part")
+        part.write_bytes(data)
+        part.replace(dest / name)
     return dest
 
 
