@@ -135,3 +135,25 @@ def test_a_rank_that_owes_only_a_revoke_ack_is_still_heartbeaten(ep):
     assert ep.completion.waiting_keys() == {}
     ep._heartbeat()
     assert ep.transport.sent == ["P/r0"]  # a send is what tells whether NIXL can still reach it
+
+
+def test_a_producer_whose_worker_did_not_stop_keeps_its_side_channel_open():
+    """Consumers take a refused side channel as proof that nothing can be written: it must not close while the
+    worker (and its NIXL agent) may still run."""
+    import threading
+
+    from kvpush_common.endpoint.producer import ProducerEndpoint
+
+    backend = HostBackend(num_layers=1, num_heads=1, head_dim=4, block_size=4, num_blocks=4)
+    p = ProducerEndpoint(EndpointConfig(engine_id="P"), backend)
+    closed = []
+    p.server = type("S", (), {"close": lambda self: closed.append(True)})()
+    stuck = threading.Event()
+    p._thread = threading.Thread(target=stuck.wait, daemon=True)
+    p._thread.start()
+    p._before_close()
+    assert closed == []
+    stuck.set()
+    p._thread.join()
+    p._before_close()
+    assert closed == [True]
