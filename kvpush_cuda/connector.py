@@ -81,7 +81,7 @@ class KVPushCudaConnector(KVPushConnector):
         return CudaKVCache(kv_caches, head_offset, block_size=cfg.cache_config.block_size, num_heads=self.local_kv_heads(),
                            head_size=cfg.model_config.get_head_size(), backends=attention_backends(cfg, kv_caches),
                            # the 4 GiB cap is for EFA registrations; over UCX a cross-layer cache registers whole
-                           whole_interleaved=self.settings.backend == "UCX")
+                           whole_interleaved=self.settings.backend == "UCX", **self.layout_facts(kv_caches))
 
 
 def attention_backends(vllm_config, layer_names) -> dict[str, str]:

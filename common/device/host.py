@@ -16,10 +16,13 @@ class HostBackend(DeviceBackend):
 
     def __init__(self, *, num_layers: int, num_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  dtype: str = "bfloat16", dtype_size: int = 2, order: BlockOrder = "HND",
-                 blocks_first: bool = False, cross_layer: bool = False, head_offset: int = 0, fill: int = 0):
+                 blocks_first: bool = False, cross_layer: bool = False, head_offset: int = 0, fill: int = 0,
+                 cache_dtype: str = "auto", kv_scales: str = "", latent: bool = False):
+        facts = dict(cache_dtype=cache_dtype, kv_scales=kv_scales, latent=latent)  # what the bytes mean (KVLayout)
         probe = contiguous_layout(0, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
                                   block_size=block_size, num_blocks=num_blocks, dtype=dtype,
-                                  dtype_size=dtype_size, order=order, blocks_first=blocks_first, cross_layer=cross_layer)
+                                  dtype_size=dtype_size, order=order, blocks_first=blocks_first, cross_layer=cross_layer,
+                                  **facts)
         nbytes = slab_bytes(probe)
         raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
         start = (-raw.ctypes.data) % _PAGE
@@ -29,7 +32,7 @@ class HostBackend(DeviceBackend):
         self._layout = contiguous_layout(
             self.buffer.ctypes.data, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
             block_size=block_size, num_blocks=num_blocks, dtype=dtype, dtype_size=dtype_size, order=order,
-            blocks_first=blocks_first, cross_layer=cross_layer, head_offset=head_offset)
+            blocks_first=blocks_first, cross_layer=cross_layer, head_offset=head_offset, **facts)
 
     def layout(self) -> KVLayout:
         return self._layout

@@ -60,6 +60,17 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     # rows then its V rows in a [block, head] slab): then only whole blocks move, in one block order.
     # vLLM >= 0.26 CUDA caches, (blocks, heads, block_size, 2 * head_size), hold K|V per row: True.
     token_rows: bool = True
+    # The value format of the bytes, which `dtype` (their storage type) does not say: vLLM's --kv-cache-dtype
+    # ("auto": the model dtype, as `dtype` says; "fp8_e4m3", "fp8_e5m2": both stored as uint8), or a device
+    # backend's more exact name where one name means different formats on its hardware (an e4m3 whose largest
+    # value is 240 is not one whose largest is 448).  `kv_scales` names the per-layer K/V scales the values are
+    # multiplied by ("" where the cache is not quantised): bytes written under one scale read wrong under another.
+    cache_dtype: Annotated[str, Meta(max_length=32, pattern=r"^[A-Za-z0-9_.:\-]+\Z")] = "auto"
+    kv_scales: Annotated[str, Meta(max_length=80)] = ""
+    # MLA (DeepSeek-class models): each row is one token's latent vector (kv_lora_rank + rope dims, K and V in one),
+    # `head_dim` is its width and `num_heads` is 1; every TP rank holds the same latent, so topology replicates the
+    # one head and each consumer rank takes it from one producer rank.  kv_planes is then 1.
+    latent: bool = False
 
     @property
     def token_bytes(self) -> int:
@@ -70,12 +81,20 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     def block_bytes(self) -> int:
         return self.block_size * self.num_heads * self.token_bytes
 
+    def summary(self) -> str:
+        """One line for logs: form, heads x row width, value format, block size and order."""
+        fmt = self.dtype if self.cache_dtype == "auto" else f"{self.cache_dtype} (stored {self.dtype})"
+        return (f"{'latent' if self.latent else 'kv'} {self.num_heads}x{self.head_dim} {fmt}, "
+                f"{self.num_layers} layers, block {self.block_size} {self.order}")
+
     def region_span(self, r: int) -> tuple[int, int]:
         """[start, end) bytes that region r may touch."""
         reg = self.regions[r]
         return reg.base, reg.base + (self.num_blocks - 1) * reg.block_stride + self.block_bytes
 
     def validate(self) -> "KVLayout":
+        if self.latent and (self.kv_planes != 1 or self.num_heads != 1):
+            raise LayoutError("a latent (MLA) layout holds one region per layer (kv_planes=1) of one head")
         if not self.token_rows and self.kv_planes != 1:
             raise LayoutError("token_rows=False describes one-region-per-layer caches only (kv_planes=1)")
         if len(self.regions) != self.kv_planes * self.num_layers:
@@ -93,10 +112,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
 
     def geometry(self) -> tuple:
         """What both sides must agree on whatever their TP size, block size or block order."""
-        return (self.num_layers, self.head_dim, self.dtype, self.dtype_size, self.kv_planes, self.token_rows)
+        return tuple(getattr(self, f) for f in GEOMETRY_FIELDS)
 
 
-GEOMETRY_FIELDS = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes", "token_rows")
+GEOMETRY_FIELDS = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes", "token_rows", "cache_dtype",
+                   "kv_scales", "latent")
 
 
 def geometry_difference(peer: KVLayout, local: KVLayout) -> str | None:
@@ -117,8 +137,7 @@ def same_block_arrangement(src: KVLayout, dst: KVLayout, num_heads: int) -> bool
 def check_pairable(src: KVLayout, dst: KVLayout) -> None:
     """Raise LayoutError with the first mismatch that makes a byte-exact copy impossible."""
     if src.geometry() != dst.geometry():
-        names = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes", "token_rows")
-        diffs = [f"{n}: {a} vs {b}" for n, a, b in zip(names, src.geometry(), dst.geometry()) if a != b]
+        diffs = [f"{n}: {a} vs {b}" for n, a, b in zip(GEOMETRY_FIELDS, src.geometry(), dst.geometry()) if a != b]
         raise LayoutError("KV geometry differs between producer and consumer: " + ", ".join(diffs))
     if len(src.regions) != len(dst.regions):
         raise LayoutError(f"region count differs: {len(src.regions)} vs {len(dst.regions)}")
@@ -144,24 +163,31 @@ def contiguous_layout(
     mem_type: Literal["DRAM", "VRAM"] = "DRAM",
     device_id: int = 0,
     head_offset: int = 0,
+    cache_dtype: str = "auto",
+    kv_scales: str = "",
+    latent: bool = False,
 ) -> KVLayout:
     """A layout for one slab at `base`, laid out layer by layer.
 
     Per layer, `blocks_first=False` is (2, num_blocks, block) as FlashAttention and the Neuron
     plugin store it (K plane then V plane); `blocks_first=True` is (num_blocks, 2, block) as
     FlashInfer stores it.  `cross_layer=True` is vLLM's cross-layer cache instead: block-major, every layer's
-    K and V of block b back to back (`cross_layer_blocks`).
+    K and V of block b back to back (`cross_layer_blocks`).  `latent=True` is MLA's cache: one plane per layer
+    of (num_blocks, block) with one head whose rows are `head_dim` wide.
     """
+    planes_per_layer = 1 if latent else 2
     block_bytes = block_size * num_heads * head_dim * dtype_size
-    layer_bytes = 2 * num_blocks * block_bytes
+    layer_bytes = planes_per_layer * num_blocks * block_bytes
     regions = []
     if cross_layer:
-        regions = [Region(base + r * block_bytes, 2 * num_layers * block_bytes, 0, device_id)
-                   for r in range(2 * num_layers)]
+        regions = [Region(base + r * block_bytes, planes_per_layer * num_layers * block_bytes, 0, device_id)
+                   for r in range(planes_per_layer * num_layers)]
     for layer in range(0 if cross_layer else num_layers):
         lbase = base + layer * layer_bytes
         mem_id = layer if mem_id_per_layer else 0
-        if blocks_first:
+        if latent:
+            planes = [(lbase, block_bytes)]
+        elif blocks_first:
             planes = [(lbase, 2 * block_bytes), (lbase + block_bytes, 2 * block_bytes)]
         else:
             planes = [(lbase, block_bytes), (lbase + num_blocks * block_bytes, block_bytes)]
@@ -178,6 +204,10 @@ def contiguous_layout(
         regions=regions,
         mem_type=mem_type,
         head_offset=head_offset,
+        kv_planes=planes_per_layer,
+        cache_dtype=cache_dtype,
+        kv_scales=kv_scales,
+        latent=latent,
     ).validate()
 
 

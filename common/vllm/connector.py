@@ -84,14 +84,22 @@ class KVPushConnector(KVConnectorBase_V1):
         return None
 
     def local_kv_heads(self) -> int:
-        """KV heads this TP rank holds (at least one: heads are replicated when TP exceeds them)."""
+        """KV heads this TP rank holds (at least one: heads are replicated when TP exceeds them; MLA's one latent)."""
+        from kvpush_common.vllm.kv_groups import total_kv_heads
+
         cfg = self._vllm_config
-        return max(1, cfg.model_config.get_total_num_kv_heads() // cfg.parallel_config.tensor_parallel_size)
+        return max(1, total_kv_heads(cfg.model_config) // cfg.parallel_config.tensor_parallel_size)
+
+    def layout_facts(self, kv_caches: dict) -> dict:
+        """Cache dtype, K/V scales and MLA's latent form for the layout description (`kv_groups.layout_facts`)."""
+        from kvpush_common.vllm.kv_groups import layout_facts
+
+        return layout_facts(self._vllm_config, list(kv_caches))
 
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         from kvpush_common.vllm.host_cache import VllmCpuCache
 
-        return VllmCpuCache(kv_caches, head_offset)
+        return VllmCpuCache(kv_caches, head_offset, **self.layout_facts(kv_caches))
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

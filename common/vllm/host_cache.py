@@ -17,7 +17,9 @@ from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_o
 from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 
-def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) -> tuple[KVLayout, np.ndarray]:
+def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int, *, cache_dtype: str = "auto",
+                        kv_scales: str = "", latent: bool = False) -> tuple[KVLayout, np.ndarray]:
+    """`latent`: MLA's cache, [blocks, 1, block_size, latent width] (one row per token: addressable by token)."""
     names = sorted(kv_caches, key=layer_order)
     first = kv_caches[names[0]]
     if first.dim() != 4 or first.device.type != "cpu":
@@ -25,7 +27,9 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) ->
                           f"{tuple(first.shape)} on {first.device}")
     nb, nh, bs, row = first.shape
     e = first.element_size()
-    if first.stride() != (nh * bs * row, bs * row, row, 1):
+    want = (nh * bs * row, bs * row, row, 1)
+    if any(got != w for i, (got, w) in enumerate(zip(first.stride(), want)) if not (i == 1 and nh == 1)):  # a size-1
+        # dim's stride is arbitrary: MLA's one latent head comes as (blocks, 1, block_size, 576) strided (9216, 576, ...)
         raise LayoutError(f"KV tensor {names[0]} is not packed block-major (strides {first.stride()})")
     storages: dict[int, int] = {}
     regions = []
@@ -39,7 +43,7 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) ->
     layout = KVLayout(num_layers=len(names), num_heads=nh, head_dim=row, dtype_size=e,
                       dtype=str(first.dtype).removeprefix("torch."), block_size=bs, num_blocks=nb, order="HND",
                       regions=regions, mem_type="DRAM", head_offset=head_offset, kv_planes=1,
-                      token_rows=False).validate()
+                      token_rows=latent, cache_dtype=cache_dtype, kv_scales=kv_scales, latent=latent).validate()
     seen, regs = set(), []
     for name in names:
         st = kv_caches[name].untyped_storage()
@@ -52,9 +56,9 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int) ->
 class VllmCpuCache(TensorStagingMixin, DeviceBackend):
     name = "vllm-cpu"
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int):
+    def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int, **facts):
         self._kv_caches = kv_caches  # keep the tensors (and their memory) alive
-        self._layout, self._regions = describe_cpu_caches(kv_caches, head_offset)
+        self._layout, self._regions = describe_cpu_caches(kv_caches, head_offset, **facts)
 
     def layout(self) -> KVLayout:
         return self._layout

@@ -87,3 +87,43 @@ def window_block_freed_on_prefill(num_tokens: int, window: int, block_size: int)
     bounds fall in different blocks when N - window + 1 is a positive block multiple: with a window of whole blocks,
     when N mod block_size is block_size - 1."""
     return num_tokens - window + 1 > 0 and (num_tokens - window + 1) % block_size == 0
+
+
+# vLLM's CacheConfig: "fp8 (=fp8_e4m3)" on CUDA (vllm/config/cache.py, 0.32): one name for one format
+_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def layout_facts(vllm_config, layer_names) -> dict:
+    """What the KV bytes mean beyond their shape, for the layout description (`KVLayout.cache_dtype`, `kv_scales`,
+    `latent`): vLLM's --kv-cache-dtype (fp8_e4m3 and fp8_e5m2 are both stored as uint8: STR_DTYPE_TO_TORCH_DTYPE,
+    vllm/utils/torch_utils.py), the per-layer K/V scales a quantised cache's values are multiplied by (each attention
+    layer's `_k_scale_float` / `_v_scale_float`, loaded from the checkpoint before the KV caches are allocated, 1.0
+    without one: vllm/model_executor/layers/attention/attention.py), and whether the model keeps MLA's latent cache
+    (`model_config.use_mla`)."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    cache_dtype = _CACHE_DTYPE_ALIASES.get(cache_dtype, cache_dtype)
+    facts = {"cache_dtype": cache_dtype, "latent": bool(getattr(vllm_config.model_config, "use_mla", False))}
+    if cache_dtype != "auto":
+        ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+        facts["kv_scales"] = scales_name([(getattr(ctx.get(n), "_k_scale_float", 1.0),
+                                           getattr(ctx.get(n), "_v_scale_float", 1.0)) for n in layer_names])
+    return facts
+
+
+def scales_name(scales: list[tuple[float, float]]) -> str:
+    """One short name for every layer's (k_scale, v_scale): the values when every layer shares them, else a digest
+    (equal names: equal scales, layer by layer)."""
+    import hashlib
+
+    distinct = set(scales)
+    if len(distinct) <= 1:
+        k, v = next(iter(distinct), (1.0, 1.0))
+        return f"k={float(k)!r},v={float(v)!r}"
+    return "sha256:" + hashlib.sha256(repr([(float(k), float(v)) for k, v in scales]).encode()).hexdigest()[:32]
+
+
+def total_kv_heads(model_config) -> int:
+    """The KV heads kvpush splits over TP: the model's, or 1 for MLA, whose latent cache is one head held whole by
+    every TP rank (vLLM's `get_num_kv_heads` says 1 per rank under `use_mla`, while `get_total_num_kv_heads` keeps
+    the config's count, e.g. 16 for DeepSeek-V2-Lite: vllm/config/model.py, 0.32)."""
+    return 1 if getattr(model_config, "use_mla", False) else model_config.get_total_num_kv_heads()

@@ -11,6 +11,7 @@ from kvpush_common.endpoint.config import EndpointConfig
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.transport.nixl import TransportConfig
 from kvpush_common.vllm.extra_config import ExtraConfig, parse_extra_config
+from kvpush_common.vllm.kv_groups import total_kv_heads
 from kvpush_common.vllm.parallel import ParallelSizes
 
 
@@ -80,7 +81,7 @@ class ConnectorSettings:
             # pair a prefill instance serving other weights under the same name
             model=str(extra.model_id or model_config.served_model_name or model_config.model),
             tp_size=vllm_config.parallel_config.tensor_parallel_size,
-            total_kv_heads=model_config.get_total_num_kv_heads(),
+            total_kv_heads=total_kv_heads(model_config),
             host=host,
             port=port + parallel.port_offset,  # DP siblings on one host: disjoint ports (vllm.parallel)
             secret=secret.encode() if secret else None,

@@ -54,7 +54,7 @@ class WorkerSide:
             start_http_server(self.settings.metrics_port + self.rank, addr=self.settings.host,
                               registry=self.endpoint.stats.registry)
         where = f" on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if cls is ProducerEndpoint else ""
-        log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().order)
+        log.info("kvpush %s rank %d ready%s: %s", self.settings.role, self.rank, where, backend.layout().summary())
 
     def _bind(self, endpoint: ProducerEndpoint | ConsumerEndpoint) -> None:
         self.endpoint = endpoint

@@ -71,7 +71,8 @@ class Cluster:
 
     def start(self, *, total_heads=2, p_tp=1, d_tp=1, p_block=16, d_block=16, p_order="HND", d_order="HND",
               p_blocks_first=False, d_blocks_first=False, num_blocks=32, p_cfg=None, d_cfg=None,
-              p_faults=None, d_faults=None, d_agent_first=None, p_cross_layer=False, d_cross_layer=False):
+              p_faults=None, d_faults=None, d_agent_first=None, p_cross_layer=False, d_cross_layer=False,
+              p_geo=None, d_geo=None):
         from kvpush_common.protocol.topology import local_heads
 
         self.p_tp = p_tp
@@ -97,7 +98,8 @@ class Cluster:
                 cfg["base_port"] = self.p_port
             reply = proc.call("start", role="producer", cfg=cfg, faults=p_faults,
                               backend=dict(kind=self.kind, num_heads=count, head_offset=first, block_size=p_block,
-                                           num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first, **GEO,
+                                           num_blocks=num_blocks, order=p_order, blocks_first=p_blocks_first,
+                                           **(p_geo or GEO),
                                            **({"cross_layer": True} if p_cross_layer else {}),
                                            **self._device(False, r, p_tp, d_tp)))
             assert reply["nixl_backend"] == NIXL_BACKEND  # the agent really runs the backend under test
@@ -109,7 +111,8 @@ class Cluster:
             cfg = dict(engine_id="D", rank=r, tp_size=d_tp, total_kv_heads=total_heads, **(d_cfg or {}))
             reply = proc.call("start", role="consumer", cfg=cfg, faults=d_faults, agent_first=d_agent_first,
                       backend=dict(kind=self.consumer_kind, num_heads=count, head_offset=first, block_size=d_block,
-                                   num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first, **GEO,
+                                   num_blocks=num_blocks, order=d_order, blocks_first=d_blocks_first,
+                                   **(d_geo or GEO),
                                    **({"cross_layer": True} if d_cross_layer else {}),
                                    **self._device(True, r, p_tp, d_tp)))
             assert reply["nixl_backend"] == NIXL_BACKEND
@@ -823,3 +826,82 @@ def test_exhausted_staging_pool_falls_back_to_direct(cluster):
     staged = cluster.kind in STAGES
     assert counters["kvpush_writes_staged_total"] == (1 if staged else 0)
     assert (counters["kvpush_staging_exhausted_total"] >= 1) == staged
+
+
+# ---- value formats and MLA (issue 49) -------------------------------------------------------------------------
+FP8 = dict(num_layers=2, head_dim=8, dtype="uint8", dtype_size=1)  # vLLM stores every fp8 KV cache as uint8
+# The Neuron plugin lays out its own bf16 K/V planes (kvpush_neuron.slab takes no value format or latent form yet)
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def fmt_cluster(request):
+    cl = Cluster(request.param)
+    yield cl
+    cl.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp,p_block,d_block", [(1, 1, 16, 16), (1, 2, 16, 32), (2, 1, 32, 16)])
+def test_fp8_cache_moves_byte_for_byte(fmt_cluster, p_tp, d_tp, p_block, d_block):
+    """An fp8_e4m3 cache (1-byte values, every byte pattern filled in) moves unchanged across TP splits and block
+    sizes: nothing converts or rounds the values."""
+    geo = {**FP8, "cache_dtype": "fp8_e4m3", "kv_scales": "k=0.5,v=0.25"}
+    cl = fmt_cluster.start(total_heads=2, p_tp=p_tp, d_tp=d_tp, p_block=p_block, d_block=d_block, p_geo=geo, d_geo=geo)
+    n = 90
+    p_blocks = list(range(20, 20 + -(-n // p_block)))
+    d_blocks = [9, 2, 30, 4, 17, 11][: -(-n // d_block)]
+    cl.expect("fp8", 0, d_blocks, n)
+    cl.ready("fp8", 0, p_blocks, n)
+    for d in cl.consumers:
+        assert wait(d, 1)[0]["ok"] is True
+    assert_copied(cl, p_blocks, d_blocks, n)
+    for d in cl.consumers:
+        assert set(dirty(d)) == set(d_blocks)
+
+
+@pytest.mark.parametrize("d_fmt", [{"cache_dtype": "fp8_e5m2", "kv_scales": "k=1.0,v=1.0"},
+                                   {"cache_dtype": "fp8_e4m3", "kv_scales": "k=2.0,v=1.0"}], ids=["e5m2", "scales"])
+def test_fp8_format_or_scale_mismatch_is_refused_at_the_handshake(fmt_cluster, d_fmt):
+    """fp8_e4m3 and fp8_e5m2 (or one format under other K/V scales) are the same uint8 storage: the handshake
+    refuses the pair, naming both sides' values, and no byte of the consumer's blocks is written."""
+    p_fmt = {"cache_dtype": "fp8_e4m3", "kv_scales": "k=1.0,v=1.0"}
+    cl = fmt_cluster.start(total_heads=2, p_geo={**FP8, **p_fmt}, d_geo={**FP8, **d_fmt})
+    cl.expect("fmt", 0, [3, 4], 20)
+    cl.ready("fmt", 0, [1, 2], 20)
+    [res] = wait(cl.consumers[0], 1)
+    assert res["ok"] is False
+    field = "cache_dtype" if d_fmt["cache_dtype"] != p_fmt["cache_dtype"] else "kv_scales"
+    assert field in res["reason"] and p_fmt[field] in res["reason"] and d_fmt[field] in res["reason"], res
+    assert dirty(cl.consumers[0]) == []
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)])
+def test_mla_latent_reaches_every_decode_rank_from_one_prefill_rank(fmt_cluster, p_tp, d_tp):
+    """MLA's latent cache (one 576-wide row per token, the same on every TP rank) across TP: each consumer rank gets
+    the whole latent from exactly one producer rank (one WRITE per consumer rank, none redundant), a producer rank
+    no consumer reads from releases at once, and block sizes may differ (AMX_MLA 32-multiples, FlashMLA 64)."""
+    from kvpush_common.protocol.topology import routes_from
+
+    geo = dict(num_layers=2, head_dim=576, dtype="bfloat16", dtype_size=2, latent=True)
+    cl = fmt_cluster.start(total_heads=1, p_tp=p_tp, d_tp=d_tp, p_block=32, d_block=64, p_geo=geo, d_geo=geo,
+                       num_blocks=8)
+    n = 100
+    p_blocks, d_blocks = [5, 1, 7, 2], [6, 0]
+    cl.expect("mla", 0, d_blocks, n)
+    for p in cl.producers:
+        p.call("ready", tid="mla", attempt=0, blocks=p_blocks, num_tokens=n, consumer_tp=d_tp)
+    for d in cl.consumers:
+        assert wait(d, 1)[0]["ok"] is True
+    for p in cl.producers:
+        assert wait(p, 1)[0]["outcome"] == "done"
+    writes = 0
+    for r, p in enumerate(cl.producers):  # each producer rank was filled with its own bytes: its readers show them
+        routed = routes_from(1, p_tp, d_tp, r)
+        src = logical(p, p_blocks, n)
+        for route in routed:
+            np.testing.assert_array_equal(logical(cl.consumers[route.dst_rank], d_blocks, n), src)
+        posted = p.call("stats")["counters"].get("kvpush_writes_posted_total", 0)
+        assert posted == len(routed), (r, posted, routed)
+        writes += posted
+    assert writes == d_tp  # one WRITE per consumer rank
+    for d in cl.consumers:
+        assert set(dirty(d)) == set(d_blocks)
