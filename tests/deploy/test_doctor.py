@@ -194,6 +194,9 @@ def test_each_library_the_libfabric_plugin_links_gets_its_own_fix():
     fix = doctor.plugin_load_fix
     assert "FABRIC_1.10" in fix("libfabric.so.1: cannot open shared object file")
     assert "FABRIC_1.10" in fix("version `FABRIC_1.10' not found (required by libplugin_LIBFABRIC.so)")
+    # the Neuron plugin's nixl 1.3.2 links FABRIC_1.7: the fix names the libfabric release that has it
+    assert "libfabric >= 1.20" in fix("libfabric.so.1: version `FABRIC_1.7' not found (required by x.so)")
+    assert "libfabric >= 2.7" in fix("libfabric.so.1: version `FABRIC_1.10' not found (required by x.so)")
     assert "libcuda_standin.c" in fix("libcuda.so.1: cannot open shared object file")
     assert "nvidia-cuda-runtime" in fix("libcudart.so.13: cannot open shared object file")
     assert fix("libhwloc.so.15: cannot open shared object file") == "apt-get install libhwloc15"
