@@ -58,6 +58,17 @@ SHAPES = {  # the KV-relevant dims of the real models; vocab follows the local t
                       num_key_value_heads=8, head_dim=128),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64),
+    # DeepSeek-V2-Lite's attention (MLA: a 512 + 64 latent row per token, one per layer, the same on every TP
+    # rank) and depth; its MLP is made dense (first_k_dense_replace = every layer) so that dummy weights fit three
+    # instances on one card: the KV moved is the real model's, the compute per token is not.
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                             n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=27, moe_layer_freq=1,
+                             topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+                             routed_scaling_factor=1.0, scoring_func="softmax", rope_theta=10000.0,
+                             max_position_embeddings=163840),
 }
 VOCAB = 4096
 
@@ -383,7 +394,8 @@ def kept_samples(text: str) -> dict[str, float]:
 # ---- model ----------------------------------------------------------------------------------------
 
 def make_model(directory: Path, shape: str) -> Path:
-    """config.json of the shape (Qwen3 architecture, vocab of the local tokenizer) and the tokenizer."""
+    """config.json of the shape (Qwen3 architecture unless the shape names its own, vocab of the local tokenizer)
+    and the tokenizer."""
     cfg_path = directory / "config.json"
     want = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": VOCAB,
             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
