@@ -12,6 +12,8 @@ import pytest
 from vllm.config import ParallelConfig
 from vllm.v1.request import RequestStatus
 
+from kvpush_common.endpoint.handshake import HandshakeServer
+from kvpush_common.testing.vllm_cluster import free_port
 from kvpush_common.testing.vllm_config import parallel_config
 from kvpush_common.vllm.parallel import ParallelSizes
 from kvpush_common.vllm.scheduler import SchedulerSide
@@ -48,13 +50,13 @@ def test_every_refused_setting_is_named_at_once():
         ConnectorSettings.from_vllm(vllm_config(pc))
 
 
-def dp_engine(index: int, tp: int, mode="push", role="kv_producer") -> ConnectorSettings:
+def dp_engine(index: int, tp: int, mode="push", role="kv_producer", port=BASE) -> ConnectorSettings:
     """DP engine `index` of a --data-parallel-size 2 instance as vLLM's engine core configures it: its own
     ParallelConfig with data_parallel_index set (`run_engine_core`)."""
     pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=2, data_parallel_rank=index,
                         data_parallel_external_lb=True)
     assert pc.data_parallel_index == index
-    return ConnectorSettings.from_vllm(vllm_config(pc, role, mode=mode))
+    return ConnectorSettings.from_vllm(vllm_config(pc, role, mode=mode, port=port))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -66,6 +68,22 @@ def test_data_parallel_engines_on_one_host_take_disjoint_ports(tp):
     assert len(set(metrics)) == len(metrics) and min(metrics) == METRICS
     assert [s.port for s in engines] == [BASE, BASE + tp]
     assert [s.parallel for s in engines] == [ParallelSizes(2, 0, 0), ParallelSizes(2, 1, tp)]
+
+
+def test_data_parallel_engines_side_channels_all_bind_on_one_host():
+    """What each TP rank of each DP engine binds (`ProducerEndpoint._after_start`), bound for real: no collision."""
+    tp = 2
+    base = free_port(span=2 * tp)
+    servers = []
+    try:
+        for s, rank in product([dp_engine(i, tp, port=base) for i in range(2)], range(tp)):
+            cfg = s.endpoint_config(rank)
+            servers.append(HandshakeServer(cfg.host, cfg.base_port + cfg.rank, None, lambda: None,
+                                           lambda h: None).start())
+        assert sorted(x.port for x in servers) == list(range(base, base + 2 * tp))
+    finally:
+        for x in servers:
+            x.close()
 
 
 def test_the_prefill_answer_names_the_dp_engine_and_its_real_sizes():
