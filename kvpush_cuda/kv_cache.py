@@ -22,11 +22,11 @@ from .kv_forms import describe_form
 
 def describe_cuda_caches(kv_caches: dict, *, block_size: int, num_heads: int, head_size: int, head_offset: int = 0,
                          backends: dict[str, str] | None = None, cache_dtype: str = "auto", kv_scales: str = "",
-                         latent: bool = False) -> tuple[KVLayout, list[tuple[int, int]], int]:
+                         latent: bool = False, drafter: str = "") -> tuple[KVLayout, list[tuple[int, int]], int]:
     """(layout, allocations [(ptr, nbytes)], device index) of vLLM's per-layer KV tensors.
 
     `backends` maps layer names to their attention backend's name, for the error of a refused layout;
-    `cache_dtype`, `kv_scales` and `latent` (MLA) say what the bytes mean (`kv_groups.layout_facts`)."""
+    `cache_dtype`, `kv_scales`, `latent` (MLA) and `drafter` say what the bytes mean (`kv_groups.layout_facts`)."""
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
     names = sorted(kv_caches, key=layer_order)
@@ -54,7 +54,7 @@ def describe_cuda_caches(kv_caches: dict, *, block_size: int, num_heads: int, he
                       dtype=str(t0.dtype).removeprefix("torch."), block_size=block_size, num_blocks=form.num_blocks,
                       order=form.order, regions=regions, mem_type="VRAM" if t0.is_cuda else "DRAM",
                       head_offset=head_offset, kv_planes=form.kv_planes, cache_dtype=cache_dtype, kv_scales=kv_scales,
-                      latent=latent).validate()
+                      latent=latent, drafter=drafter).validate()
     return layout, sorted(allocations.items()), device
 
 

@@ -28,7 +28,7 @@ from kvpush_common.protocol.topology import local_heads
 from kvpush_common.transport.nixl import NixlTransport, Transport, TransportError
 from kvpush_common.plan.planner import PlanError
 from kvpush_common.plan.staging import SlotPool, blocks_per_chunk
-from kvpush_common.protocol.wire import Codec, Hello, Staging, Message, WireError, compat_hash
+from kvpush_common.protocol.wire import Codec, Hello, Staging, Message, WireError, compat_hash, layout_hash_facts
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class Endpoint:
         self.event = EventLog.from_env(cfg.engine_id, self.role, cfg.rank)
         self.compat = compat_hash(mode=cfg.mode, model=cfg.model, num_layers=self.layout.num_layers,
                                   total_kv_heads=cfg.total_kv_heads, head_dim=self.layout.head_dim,
-                                  dtype=self.layout.dtype, cache_dtype=self.layout.cache_dtype,
-                                  kv_scales=self.layout.kv_scales, latent=self.layout.latent)
+                                  dtype=self.layout.dtype, **layout_hash_facts(self.layout))
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self._agent_md = b""

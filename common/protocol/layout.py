@@ -71,6 +71,10 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     # `head_dim` is its width and `num_heads` is 1; every TP rank holds the same latent, so topology replicates the
     # one head and each consumer rank takes it from one producer rank.  kv_planes is then 1.
     latent: bool = False
+    # The speculative-decoding drafter whose KV layers are listed with the target's ("" without one), as
+    # "method:draft model" (vLLM's NixlConnector hashes the same two): a consumer's drafter must find the KV of the
+    # drafter it runs, or it proposes from another model's bytes.
+    drafter: Annotated[str, Meta(max_length=128)] = ""
 
     @property
     def token_bytes(self) -> int:
@@ -85,7 +89,8 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
         """One line for logs: form, heads x row width, value format, block size and order."""
         fmt = self.dtype if self.cache_dtype == "auto" else f"{self.cache_dtype} (stored {self.dtype})"
         return (f"{'latent' if self.latent else 'kv'} {self.num_heads}x{self.head_dim} {fmt}, "
-                f"{self.num_layers} layers, block {self.block_size} {self.order}")
+                f"{self.num_layers} layers, block {self.block_size} {self.order}"
+                + (f", drafter {self.drafter}" if self.drafter else ""))
 
     def region_span(self, r: int) -> tuple[int, int]:
         """[start, end) bytes that region r may touch."""
@@ -116,7 +121,9 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
 
 
 GEOMETRY_FIELDS = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes", "token_rows", "cache_dtype",
-                   "kv_scales", "latent")
+                   "kv_scales", "latent", "drafter")
+# the geometry fields that say what the bytes mean (compat_hash factors whenever they are not the default)
+VALUE_FIELDS = ("cache_dtype", "kv_scales", "latent", "drafter")
 
 
 def geometry_difference(peer: KVLayout, local: KVLayout) -> str | None:
@@ -166,6 +173,7 @@ def contiguous_layout(
     cache_dtype: str = "auto",
     kv_scales: str = "",
     latent: bool = False,
+    drafter: str = "",
 ) -> KVLayout:
     """A layout for one slab at `base`, laid out layer by layer.
 
@@ -208,6 +216,7 @@ def contiguous_layout(
         cache_dtype=cache_dtype,
         kv_scales=kv_scales,
         latent=latent,
+        drafter=drafter,
     ).validate()
 
 

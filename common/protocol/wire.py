@@ -313,20 +313,29 @@ class Codec:
         return msg
 
 
+def layout_hash_facts(layout: KVLayout) -> dict:
+    """The compat_hash factors a layout describes (its VALUE_FIELDS), for `compat_hash(**...)`."""
+    from kvpush_common.protocol.layout import VALUE_FIELDS
+
+    return {f: getattr(layout, f) for f in VALUE_FIELDS}
+
+
 def compat_hash(*, mode: Mode, model: str, num_layers: int, total_kv_heads: int, head_dim: int, dtype: str,
-                cache_dtype: str = "auto", kv_scales: str = "", latent: bool = False, extra: tuple = ()) -> str:
+                cache_dtype: str = "auto", kv_scales: str = "", latent: bool = False, drafter: str = "",
+                extra: tuple = ()) -> str:
     """Hash of what must match for two engines to exchange KV at all.
 
     Block size, block order, TP size and addresses may differ: they travel in the Hello's layout
     and are checked pairwise by the planner with precise errors.  `dtype` is the storage type only: the value
     format (`cache_dtype`: fp8_e4m3 and fp8_e5m2 are both uint8, as vLLM's NixlConnector hashes cache_dtype in
     `compute_nixl_compatibility_hash`, vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py, 0.32), the
-    K/V scales and MLA's latent form are factors too; they enter only when not the default, so an unquantised
-    dense cache hashes as before.
+    K/V scales, MLA's latent form and the drafter are factors too; they enter only when not the default, so an
+    unquantised dense cache without a drafter hashes as before.
     """
     layout_facts = tuple(f for f, default in ((f"cache_dtype={cache_dtype}", "cache_dtype=auto"),
                                               (f"kv_scales={kv_scales}", "kv_scales="),
-                                              (f"latent={latent}", "latent=False")) if f != default)
+                                              (f"latent={latent}", "latent=False"),
+                                              (f"drafter={drafter}", "drafter=")) if f != default)
     factors = ("kvpush", PROTOCOL_VERSION, mode, model, num_layers, total_kv_heads, head_dim, dtype, *layout_facts,
                *extra)
     return hashlib.sha256(repr(factors).encode()).hexdigest()

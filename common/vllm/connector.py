@@ -29,6 +29,7 @@ class KVPushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         share_vllm_handlers()
         refuse_sleep_mode(vllm_config)
+        refuse_kv_groups(vllm_config, kv_cache_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -190,6 +191,17 @@ class KVPushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def refuse_kv_groups(vllm_config, kv_cache_config) -> None:
+    """KV cache groups kvpush cannot move (`kv_groups.kv_group_problem`: several groups, or one mixing KV shapes, e.g.
+    a drafter's beside its target's) fail the start-up, naming the groups and the drafter: otherwise vLLM asserts one
+    group only when the first request finishes, and a mixed group fails the layout reader without naming why."""
+    from kvpush_common.vllm.kv_groups import drafter_name, kv_group_problem
+
+    problem = kv_group_problem(kv_cache_config, drafter_name(vllm_config))
+    if problem:
+        raise ValueError(f"kvpush cannot serve this KV cache: {problem}")
 
 
 def refuse_sleep_mode(vllm_config) -> None:

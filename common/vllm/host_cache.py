@@ -18,7 +18,7 @@ from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 
 def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int, *, cache_dtype: str = "auto",
-                        kv_scales: str = "", latent: bool = False) -> tuple[KVLayout, np.ndarray]:
+                        kv_scales: str = "", latent: bool = False, drafter: str = "") -> tuple[KVLayout, np.ndarray]:
     """`latent`: MLA's cache, [blocks, 1, block_size, latent width] (one row per token: addressable by token)."""
     names = sorted(kv_caches, key=layer_order)
     first = kv_caches[names[0]]
@@ -43,7 +43,8 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int, *,
     layout = KVLayout(num_layers=len(names), num_heads=nh, head_dim=row, dtype_size=e,
                       dtype=str(first.dtype).removeprefix("torch."), block_size=bs, num_blocks=nb, order="HND",
                       regions=regions, mem_type="DRAM", head_offset=head_offset, kv_planes=1,
-                      token_rows=latent, cache_dtype=cache_dtype, kv_scales=kv_scales, latent=latent).validate()
+                      token_rows=latent, cache_dtype=cache_dtype, kv_scales=kv_scales, latent=latent,
+                      drafter=drafter).validate()
     seen, regs = set(), []
     for name in names:
         st = kv_caches[name].untyped_storage()

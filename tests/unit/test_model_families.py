@@ -222,3 +222,67 @@ def test_vllm_cpu_mla_cache_is_a_latent_layout():
                                                dtype=torch.uint8, cache_dtype="fp8_e4m3"), 0, latent=True,
                                  cache_dtype="fp8_e4m3", kv_scales="k=1.0,v=1.0")
     assert (fp8.dtype, fp8.head_dim, fp8.cache_dtype) == ("uint8", LATENT, "fp8_e4m3")
+
+
+# ---- drafters ------------------------------------------------------------------------------------------------
+def spec_config(method, model="/models/drafter"):
+    return SimpleNamespace(method=method, draft_model_config=SimpleNamespace(model=model))
+
+
+def test_the_drafter_is_named_by_method_and_model_when_it_keeps_kv():
+    from kvpush_common.vllm.kv_groups import drafter_name
+
+    assert drafter_name(fake_config(spec=spec_config("eagle3"))[0]) == "eagle3:/models/drafter"
+    assert drafter_name(fake_config(spec=spec_config("draft_model", "tiny"))[0]) == "draft_model:tiny"
+    assert drafter_name(fake_config(spec=spec_config("ngram", None))[0]) == ""  # proposes from tokens: no KV
+    assert drafter_name(fake_config()[0]) == ""
+    long = drafter_name(fake_config(spec=spec_config("mtp", "x" * 300))[0])
+    assert long.startswith("mtp:sha256:") and len(long) <= 128
+    cfg, names = fake_config(spec=spec_config("eagle"))
+    assert layout_facts(cfg, names)["drafter"] == "eagle:/models/drafter"
+
+
+def test_a_drafter_mismatch_is_refused_naming_both():
+    geo = dict(num_layers=5, num_heads=2, head_dim=8, block_size=16, num_blocks=4)
+    p = contiguous_layout(0, **geo, drafter="eagle3:/models/a")
+    d = contiguous_layout(0, **geo, drafter="eagle3:/models/b")
+    assert geometry_difference(p, d) == "drafter eagle3:/models/a vs eagle3:/models/b"
+    assert compat_hash(**HASH, drafter="eagle3:/models/a") != compat_hash(**HASH, drafter="eagle3:/models/b")
+    assert compat_hash(**HASH, drafter="") == compat_hash(**HASH)
+    from kvpush_common.protocol.wire import layout_hash_facts
+
+    assert compat_hash(**HASH, **layout_hash_facts(p)) == compat_hash(**HASH, drafter="eagle3:/models/a")
+
+
+def test_a_drafter_of_another_kv_shape_fails_the_start_up_naming_it():
+    """vLLM puts an EAGLE head with other KV heads than its target's in the target's group as per-layer specs
+    (UniformTypeKVCacheSpecs): every connector (CPU, CUDA, Neuron) refuses it at construction, naming the drafter."""
+    from kvpush_common.vllm.connector import refuse_kv_groups
+
+    def spec(heads):
+        return SimpleNamespace(num_kv_heads=heads, head_size=64, dtype="torch.bfloat16", block_size=16)
+
+    per_layer = {"model.layers.0.self_attn.attn": spec(2), "model.layers.1.self_attn.attn": spec(2),
+                 "drafter.layers.0.self_attn.attn": spec(8)}
+    uniform = type("UniformTypeKVCacheSpecs", (), {"kv_cache_specs": per_layer})()
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=list(per_layer),
+                                                                       kv_cache_spec=uniform)])
+    cfg, _ = fake_config(spec=spec_config("eagle", "/models/eagle-head"))
+    with pytest.raises(ValueError, match=r"drafter eagle:/models/eagle-head's layers beside the target's"):
+        refuse_kv_groups(cfg, kv_cache_config)
+    same = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"], kv_cache_spec=spec(2))])
+    refuse_kv_groups(cfg, same)  # a drafter of the target's shape: one group, moved with the target's layers
+    refuse_kv_groups(cfg, None)  # vLLM gave this role no KVCacheConfig
+
+
+def test_readme_model_family_table_is_the_one_in_kv_groups():
+    """README's "Model families" table says what kv_groups.MODEL_FAMILIES says, row for row."""
+    from pathlib import Path
+
+    from kvpush_common.vllm.kv_groups import MODEL_FAMILIES
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Model families", 1)[1].split("\n## ", 1)[0]
+    rows = [tuple(c.strip() for c in line.strip().strip("|").split("|")) for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| family")]
+    assert rows == list(MODEL_FAMILIES)
