@@ -52,6 +52,22 @@ def wait_ended(ch: Chaos, reqs, side: str, limit_s: float) -> None:
         time.sleep(0.05)
 
 
+def until(what, limit_s: float = 20.0):
+    """Poll `what()` until it returns something true (returned) or `limit_s` passed (its last value)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        got = what()
+        if got or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.05)
+
+
+def holds(side, live: int, inflight: int) -> bool:
+    """The process holds exactly `live` keys, `inflight` of them with a transfer under way."""
+    st = side.proc.call("state")
+    return st["live"] == live and st["inflight"] == inflight
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_killed_producer_with_requests_in_every_stage(seed):
     """Registered (the prefill still runs), writing (a WRITE held in flight) and written (the WRITE landed, its
@@ -64,14 +80,17 @@ def test_killed_producer_with_requests_in_every_stage(seed):
         written = [ch.new_request() for _ in range(2)]
         for r in written:
             ch.pair(r)
-        time.sleep(3.5)  # their WRITEs were posted (after the 3 s hold) and landed; D holds their WriteDone
+        # their WRITEs were posted (after the 3 s hold) and landed; D holds their WriteDone back
+        assert until(lambda: ch.D.proc.call("stats")["faults"].get("delay", 0) >= len(written)
+                     and ch.P.proc.call("state")["inflight"] == 0)
         writing = [ch.new_request() for _ in range(2)]
         for r in writing:
             ch.pair(r)
         registered = [ch.new_request() for _ in range(2)]
         for r in registered:
             ch.expect(r)  # their prefill never finishes
-        time.sleep(1.0)
+        until(lambda: holds(ch.P, len(writing) + len(registered), len(writing))
+              and ch.D.proc.call("state")["live"] == len(written) + len(writing) + len(registered))
         p_state, d_state = ch.P.proc.call("state"), ch.D.proc.call("state")
         held = ch.D.proc.call("stats")["faults"].get("delay", 0)
         assert p_state["inflight"] == len(writing), p_state
@@ -105,7 +124,7 @@ def test_killed_consumer_frees_the_producers_kv():
         registered = [ch.new_request() for _ in range(2)]
         for r in registered:
             ch.expect(r)
-        time.sleep(1.0)
+        until(lambda: holds(ch.P, len(writing) + len(registered), len(writing)))
         p_state = ch.P.proc.call("state")
         assert p_state["inflight"] == len(writing) and p_state["live"] == len(writing) + len(registered), p_state
         t_kill = kill(ch, ch.D)
@@ -131,8 +150,7 @@ def test_paused_producer_is_not_declared_dead():
         waiting = [ch.new_request() for _ in range(3)]
         for r in waiting:
             ch.expect(r)
-        time.sleep(0.5)
-        assert ch.P.proc.call("state")["live"] == len(waiting)
+        assert until(lambda: ch.P.proc.call("state")["live"] == len(waiting))  # registered at P
         ch.P.stop()
         ch.log("SIGSTOP P")
         deadline = time.monotonic() + LIVENESS_BOUND_S + 2
