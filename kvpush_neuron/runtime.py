@@ -177,7 +177,10 @@ class SimulatedNeuronRuntime(_AgentOrder):
     - `data_ptr()` is 0 unless NEURON_RT_MAP_HBM was set at the first allocation (latched then);
     - libfabric started (through NIXL) before `init()` makes `device_memory_kind()` "SYSTEM" (silent in reality);
     - `init()` refuses NEURON_RT_VISIBLE_CORES without NEURON_VISIBLE_DEVICES (the 0.2x plugin raises);
-    - allocating before `init()` is refused.
+    - allocating before `init()` is refused;
+    - device work runs asynchronously, in issue order, on the simulated device's one queue (`issue`): the plugin's
+      compiled model writes the KV into HBM while the host goes on; `fence()` is a token for the work issued so
+      far and `sync()` waits for all of it.
     """
 
     mem_type = "DRAM"
@@ -188,6 +191,8 @@ class SimulatedNeuronRuntime(_AgentOrder):
         self._hbm_mapped: bool | None = None  # latched at the first allocation
         self._allocations: list[tuple[int, int]] = []
         self._keep: list[object] = []
+        self._queue = None  # the simulated device's queue (one thread, started at the first issue)
+        self._last = None  # the Future of the last work issued
 
     def init(self) -> None:
         problem = core_visibility_problem(self.env)
@@ -215,6 +220,26 @@ class SimulatedNeuronRuntime(_AgentOrder):
 
     def device_index(self, tensor) -> int:
         return 0
+
+    def issue(self, work) -> object:
+        """Run `work()` on the simulated device's queue, after everything issued before it; returns its Future."""
+        if self._queue is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._queue = ThreadPoolExecutor(1, thread_name_prefix="sim-neuron-device")
+        self._last = self._queue.submit(work)
+        return self._last
+
+    def fence(self) -> object:
+        return self._last
+
+    def fence_done(self, token: object) -> bool:
+        return token is None or token.done()
+
+    def sync(self) -> None:
+        """Wait for every piece of device work issued so far (raising what it raised)."""
+        if self._last is not None:
+            self._last.result()
 
     def to_host(self, tensor) -> np.ndarray:
         return tensor.numpy().copy()

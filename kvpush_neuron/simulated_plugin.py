@@ -11,7 +11,13 @@ What the real plugin does, and this connector reproduces (docs/neuron.md has the
 - per step only what vLLM's KVConnectorModelRunnerMixin calls around the forward (bind_connector_metadata,
   start_load_kv, wait_for_save, get_finished / get_transfer_results): attention runs inside the plugin's
   compiled model, so save_kv_layer and wait_for_layer_load are never called (vLLM-CPU's attention layers
-  do call them; here they do nothing, as if they had not been called);
+  do call them; here nothing of them reaches kvpush);
+- the KV reaching HBM asynchronously, inside the step that computed it: the plugin's model writes it in its
+  compiled graph, and the step's sampled token is read once that graph finished, which is what kvpush's
+  kv_fence="output" relies on.  Here each layer's blocks written in a step are copied into the plugin tensors on
+  the simulated device's queue (SimulatedNeuronRuntime.issue) as vLLM-CPU's attention finishes that layer, and
+  the queue is drained when the forward ends (wait_for_save): a push that read HBM before the step's output
+  would race with those copies;
 - block ids as vLLM's scheduler gives them (null block 0 included): the plugin's -1 exists only in its
   attention kernel's block table, never in the connector's metadata;
 - the plugin's scheduler's padding decision (`SimulatedNeuronScheduler`, `--scheduler-cls
@@ -25,9 +31,9 @@ Neuron backend's layout description and registration through the runtime interfa
 kvpush core, and NIXL LIBFABRIC (tcp provider instead of EFA).  What is simulated: the Neuron runtime
 (SimulatedNeuronRuntime: host memory standing in for HBM) and the plugin's attention, which here is
 vLLM-CPU's on its own cache (`[blocks, heads, 32, 2 * head_dim]`, K rows then V rows per block and
-head).  So the connector mirrors a request's blocks between the two: into the plugin tensors when the
-prompt's KV is ready (producer, before the push starts), out of them when its receive ended well
-(consumer, before vLLM schedules it).  The EFA preflight is skipped (no EFA here); the transport is
+head).  So the connector mirrors blocks between the two: into the plugin tensors as each step writes them
+(on the simulated device's queue, drained when the forward ends), out of them when a receive ended well
+(consumer, before vLLM schedules the request).  The EFA preflight is skipped (no EFA here); the transport is
 LIBFABRIC, as on trn.
 """
 
@@ -55,6 +61,14 @@ def _runtime():
     if _RUNTIME is None:
         _RUNTIME = ready_sim_runtime()
     return _RUNTIME
+
+
+def torch_unique_blocks(slot_mapping, block_size: int) -> list[int]:
+    """The blocks a step's slot mapping writes (padding slots, -1, left out)."""
+    import torch
+
+    slots = slot_mapping[slot_mapping >= 0]
+    return torch.unique(torch.div(slots, block_size, rounding_mode="floor")).tolist()
 
 
 class UnpaddedPrefillError(RuntimeError):
@@ -95,8 +109,8 @@ class SimulatedNeuronScheduler(Scheduler):
     subclasses vLLM's Scheduler too; its buckets, holdback queue and one-prefill-per-step rule are not
     simulated: vllm-cpu runs any shape)."""
 
-    def schedule(self):
-        out = super().schedule()
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
         unpadded = plugin_unpadded_prefills(self.requests, out)
         if unpadded:
             raise UnpaddedPrefillError(
@@ -182,24 +196,42 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Stands for the plugin's model writing this layer's KV into HBM: the blocks this step wrote (its slot
+        mapping) are copied into the plugin tensors on the simulated device's queue.  Nothing reaches kvpush."""
+        if getattr(self, "_plugin_kv", None) is None or layer_name not in self._plugin_kv:
+            return None
+        if isinstance(attn_metadata, dict):
+            attn_metadata = attn_metadata.get(layer_name)
+        slots = getattr(attn_metadata, "slot_mapping", None)
+        if slots is None:
+            raise RuntimeError(f"the simulated Neuron plugin needs the slot mapping of {layer_name}'s attention "
+                               f"metadata ({type(attn_metadata).__name__} has none) to copy its KV writes to HBM")
+        engine, plugin = self._pair(layer_name)
+        idx = self._real(torch_unique_blocks(slots, engine.shape[3]))
+        if len(idx):
+            _runtime().issue(lambda: plugin.__setitem__((slice(None), idx), engine[idx].permute(2, 0, 1, 3, 4)))
         return None
 
+    def wait_for_save(self) -> None:
+        """The forward ended: the step's output is read once the device finished (its KV writes included)."""
+        _runtime().sync()
+        return super().wait_for_save()
+
+    def _pair(self, name: str):
+        """(vLLM tensor viewed [blocks, heads, 2, 32, dim], plugin tensor [2, blocks, heads, 32, dim]) of a layer."""
+        engine = self._engine_kv[name]
+        nb, nh, bs, row = engine.shape
+        return engine.view(nb, nh, 2, bs, row // 2), self._plugin_kv[name]
+
     def _pairs(self):
-        """(vLLM tensor viewed [blocks, heads, 2, 32, dim], plugin tensor [2, blocks, heads, 32, dim]) per layer."""
-        for name, engine in self._engine_kv.items():
-            nb, nh, bs, row = engine.shape
-            yield engine.view(nb, nh, 2, bs, row // 2), self._plugin_kv[name]
+        for name in self._engine_kv:
+            yield self._pair(name)
 
     @staticmethod
     def _real(block_ids):
         import torch
 
-        return torch.tensor([b for b in block_ids if b > 0], dtype=torch.long)  # never the null block
-
-    def _to_plugin(self, block_ids) -> None:
-        idx = self._real(block_ids)
-        for engine, plugin in self._pairs():
-            plugin[:, idx] = engine[idx].permute(2, 0, 1, 3, 4)
+        return torch.tensor([int(b) for b in block_ids if b > 0], dtype=torch.long)  # never the null block
 
     def _from_plugin(self, block_ids) -> None:
         idx = self._real(block_ids)
@@ -209,8 +241,6 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPushMetadata)
-        for op in meta.sends:  # the prompt's KV is complete in vLLM's cache: copy it to "HBM" first
-            self._to_plugin(op.block_ids)
         for op in meta.recvs:
             self._recv_blocks[op.req_id] = op.block_ids
         self._start_step(meta)

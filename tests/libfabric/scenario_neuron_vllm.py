@@ -27,7 +27,10 @@ pytestmark = pytest.mark.timeout(900)
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10, "backend": "LIBFABRIC"}
 NEURON = {"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path": "kvpush_neuron.simulated_plugin"}
-PLUGIN_BLOCKS = ["--block-size", "32"]  # the Neuron plugin's block size
+# the Neuron plugin's block size, and its scheduler's padding decision (a leg without do_remote_decode that the
+# plugin would run unpadded stops the engine); the plugin's NeuronScheduler is a synchronous Scheduler subclass
+PLUGIN_BLOCKS = ["--block-size", "32", "--scheduler-cls", "kvpush_neuron.simulated_plugin.SimulatedNeuronScheduler",
+                 "--no-async-scheduling"]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ planned by the core and checked byte by byte with the independent reference in k
 import os
 import sys
 import types
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -345,25 +346,55 @@ def test_cuda_layout_prefill_to_neuron_decode(src_tp, dst_tp):
 
 def test_simulated_plugin_mirrors_vllm_cpu_blocks_into_the_plugin_planes_and_back():
     """vLLM's CPU cache keeps, per block and head, the K rows then the V rows ([blocks, heads, 32, 2*dim]
-    read as [blocks, heads, 2, 32, dim]); the plugin's tensor is [2, blocks, heads, 32, dim]."""
+    read as [blocks, heads, 2, 32, dim]); the plugin's tensor is [2, blocks, heads, 32, dim].  A step's writes
+    (its slot mapping) reach the plugin tensors on the simulated device's queue, asynchronously, and are all there
+    when the forward ends (wait_for_save): the moment kv_fence="output" relies on."""
+    import threading
+
     from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector, _runtime, plugin_register_view
 
     engine = {f"model.layers.{i}.self_attn.attn": torch.randn(B, H, BS, 2 * D).to(torch.bfloat16) for i in range(L)}
     conn = object.__new__(SimulatedNeuronPluginConnector)
     conn._engine_kv = engine
     conn._plugin_kv = plugin_register_view(_runtime(), None, engine)
-    conn._to_plugin((0, 4, 1))  # vLLM's null block 0 (a sliding window's dropped block) is never copied
+    gate = threading.Event()
+    _runtime().issue(lambda: gate.wait(30))  # the device is busy: what is issued next waits behind it
+    # slots of blocks 4 and 1 and of vLLM's null block 0 (a sliding window's dropped block: never copied), padding
+    written = SimpleNamespace(slot_mapping=torch.tensor([4 * BS, 4 * BS + 31, BS + 5, 3, -1]))
+    for name in engine:
+        conn.save_kv_layer(name, None, written)
+    assert not any(p.any() for p in conn._plugin_kv.values())  # issued, not done: asynchronous
+    assert not _runtime().fence_done(_runtime().fence())
+    gate.set()
+    conn.wait_for_save()
+    assert _runtime().fence_done(_runtime().fence())
     for name, plugin in conn._plugin_kv.items():
         kv = engine[name].view(B, H, 2, BS, D)
         for b in (4, 1):
             assert torch.equal(plugin[0, b], kv[b, :, 0]) and torch.equal(plugin[1, b], kv[b, :, 1])
-        assert not plugin[:, [0, 2, 3, 5]].any()  # only the named blocks
+        assert not plugin[:, [0, 2, 3, 5]].any()  # only the blocks written
     before = {n: t.clone() for n, t in engine.items()}
     for t in engine.values():
         t.zero_()
     conn._from_plugin((0, 1))
     for name, t in engine.items():
         assert torch.equal(t[1], before[name][1]) and not t[[0, 2, 3, 4, 5]].any()
+    with pytest.raises(RuntimeError, match="slot mapping"):
+        conn.save_kv_layer(next(iter(engine)), None, SimpleNamespace())
+
+
+def test_the_simulated_device_queue_runs_in_order_behind_its_fence():
+    import threading
+
+    rt = ready_sim_runtime()
+    assert rt.fence() is None and rt.fence_done(None)
+    gate, ran = threading.Event(), []
+    rt.issue(lambda: (gate.wait(30), ran.append(1)))
+    token = rt.issue(lambda: ran.append(2))
+    assert rt.fence() is token and not rt.fence_done(token) and ran == []
+    gate.set()
+    rt.sync()
+    assert rt.fence_done(token) and ran == [1, 2]
 
 
 def test_a_peer_of_another_kv_geometry_is_refused_naming_the_fields():

@@ -97,9 +97,9 @@ def test_the_simulated_scheduler_stops_a_prefill_the_plugin_would_not_pad():
     base = SimulatedNeuronScheduler.__mro__[1]
     orig = base.schedule
     try:
-        base.schedule = lambda self: so
+        base.schedule = lambda self, throttle_prefills=False: so  # vLLM 0.32's signature
         with pytest.raises(UnpaddedPrefillError, match="do_remote_decode"):
-            sched.schedule()
+            sched.schedule(throttle_prefills=True)
         sched.requests = {"p": prefill}
         assert sched.schedule() is so
     finally:
