@@ -90,7 +90,8 @@ class ProducerLiveness:
         reason = f"NIXL cannot reach it ({nixl_error[:200]}) and {res.detail}"
         log.warning("producer %s rank %d is gone: %s", prod[0], prod[1], reason)
         self.stats.peers_gone.inc()
-        out = self.completion.on_producer_gone(prod, reason, now)
+        reading = frozenset(r.key for r in self._reads if r.producer == prod)  # pull: our READ's end decides
+        out = self.completion.on_producer_gone(prod, reason, now, keep=reading)
         self._unreachable.pop(prod, None)
         self._forget_peer(prod, "gone")  # the next request handshakes whatever listens there next
         return out

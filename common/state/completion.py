@@ -149,12 +149,14 @@ class Completion:
             out |= (p.expected - p.done) if p.failure is None else p.in_doubt()
         return out
 
-    def on_producer_gone(self, producer: Producer, reason: str, now: float) -> list[Received | SendRevoke]:
+    def on_producer_gone(self, producer: Producer, reason: str, now: float,
+                         keep: frozenset[TransferKey] = frozenset()) -> list[Received | SendRevoke]:
         """`producer`'s process is known to have exited: nothing more can land from it, and nothing more
-        will come.  Every key that still waits on it fails now; keys it already finished are untouched."""
+        will come.  Every key that still waits on it fails now; keys it already finished are untouched, and so
+        are those in `keep` (a pull READ of our own from it still posted: its end fails the key)."""
         out: list[Received | SendRevoke] = []
         for key, p in list(self._pending.items()):
-            if producer not in p.expected or producer in p.done or producer in p.quiet:
+            if producer not in p.expected or producer in p.done or producer in p.quiet or key in keep:
                 continue
             p.quiet.add(producer)
             out += self._fail(key, p, f"producer rank {producer[1]} is gone: {reason}", now)

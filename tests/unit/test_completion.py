@@ -76,6 +76,12 @@ def test_gone_producer_ends_a_failing_key_that_waited_for_its_revoke_ack():
     assert c.on_producer_gone(P0, "exited", 2.0) == [Received(K, False, "producer rank 1: boom")]
 
 
+def test_gone_producer_leaves_keys_with_a_read_of_ours_still_posted():
+    c = started(expected=frozenset({P0}))
+    assert c.on_producer_gone(P0, "exited", 1.0, keep=frozenset({K})) == [] and K in c
+    assert c.on_failed(K, P0, "READ ended in ERR", 1.5) == [Received(K, False, "producer rank 0: READ ended in ERR")]
+
+
 def test_gone_producer_of_another_key_is_ignored():
     c = started(expected=frozenset({P0}))
     assert c.on_producer_gone(P2, "exited", 1.0) == [] and K in c

@@ -157,3 +157,12 @@ def test_a_producer_whose_worker_did_not_stop_keeps_its_side_channel_open():
     p._thread.join()
     p._before_close()
     assert closed == [True]
+
+
+def test_a_pull_read_of_ours_still_posted_keeps_its_key_until_it_settles(ep):
+    from kvpush_common.endpoint.consumer_pull import _Read
+
+    ep.transport.down = True
+    heartbeat(ep)
+    ep._reads.append(_Read(K, PROD, object(), 0.0, 30.0))
+    assert ep._on_probe(ProbeResult(PROD, True, "refused"), 1.0) == [] and K in ep.completion
