@@ -5,8 +5,8 @@ hide: tests/vllm_site): vllm/platforms/cpu.py.  Its cache is vLLM's 4-D view [bl
 (kv_lora_rank 512 + rope 64), the same on every TP rank.  That platform turns prefix caching and chunked prefill off
 for MLA ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be disabled"): a request
 that starts from KV it did not compute (a connector's load) is outside what it supports.  With vLLM's own
-NixlConnector, D's answer parted from P answering alone after a few tokens on two of these three prompts (float32,
-2026-12-07), token for token as kvpush's D did; D alone and P alone agree.  So the reference here is vLLM's
+NixlConnector, D's answer parts from P answering alone after a few tokens on two of these three prompts (in
+float32 as in bf16), token for token as kvpush's D does; D alone and P alone agree.  So the reference here is vLLM's
 NixlConnector (pull, its own proxy's two legs): the same request over both connectors decodes the same tokens, in
 both of kvpush's arrival orders.  Exactness against a single instance is left to the GPU MLA backends.
 """
