@@ -95,15 +95,57 @@ class Kill:
     up: float
 
 
-def wait_busy(server: VllmServer, limit_s: float) -> None:
-    """Until the server runs a request (so the kill finds one in flight), or `limit_s` passed."""
+class CountedStream(LoadStream):
+    """A LoadStream that knows how many of its requests are under way now (the outcomes list only has ended ones)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.running = 0
+
+    def _run(self, client: int) -> None:
+        i = client
+        while not self._stop.is_set():
+            with self._lock:
+                self.running += 1
+            out = ask(self.name, self.url, self.prompts[i % len(self.prompts)], stream=i % 2 == 1, timeout=self.timeout)
+            with self._lock:
+                self.running -= 1
+                self.outcomes.append(out)
+            i += 1
+            self._stop.wait(self.pause_s)
+
+
+def wait_busy(server: VllmServer, streams: dict[str, CountedStream], limit_s: float) -> None:
+    """Until a request through a router that uses `server` is under way, so that the kill finds one in flight
+    (preferably while `server` itself runs one: vLLM's gauge, polled for a few seconds -- a prefill on this
+    machine lasts milliseconds, so that is best effort).  None under way within `limit_s` fails the test."""
+    users = [streams[r] for r in USES if server.base_name in USES[r]]
     deadline = time.monotonic() + limit_s
+    gauge_until = time.monotonic() + 5
     while time.monotonic() < deadline:
-        try:
-            if gauges(server).get("running", 0) > 0:
+        if any(s.running for s in users):
+            if time.monotonic() >= gauge_until:
                 return
-        except OSError:
-            pass
+            if runs_one(server):
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"no request through a router using {server.name} within {limit_s:g} s: nothing would be "
+                         f"in flight at its kill")
+
+
+def runs_one(server: VllmServer) -> bool:
+    try:
+        return gauges(server).get("running", 0) > 0
+    except OSError:
+        return False
+
+
+def wait_running(server: VllmServer, limit_s: float) -> None:
+    """Until `server` runs a request; none within `limit_s` fails the test (a kill then would test nothing)."""
+    deadline = time.monotonic() + limit_s
+    while not runs_one(server):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{server.name} ran no request within {limit_s:g} s: nothing would be in flight")
         time.sleep(0.02)
 
 
@@ -166,8 +208,8 @@ def phase_counts(outcomes: list[Outcome], kills: list[Kill], refs: dict) -> list
 
 def test_rolling_restarts_under_load_lose_no_request_that_had_not_started(cluster):
     c = cluster
-    streams = {name: LoadStream(name, c.routers[name].url, list(c.refs), timeout=REQUEST_TIMEOUT_S + 30,
-                                pause_s=0.5).start() for name in USES}
+    streams = {name: CountedStream(name, c.routers[name].url, list(c.refs), timeout=REQUEST_TIMEOUT_S + 30,
+                                   pause_s=0.5).start() for name in USES}
     kills: list[Kill] = []
     try:
         for victim in ("P0", "D0", "P1", "D1"):
@@ -177,7 +219,7 @@ def test_rolling_restarts_under_load_lose_no_request_that_had_not_started(cluste
             if victim == "P0":
                 c.routers["C"] = c.router("C")
                 wait_healthy([c.routers["C"]], timeout=180)
-            wait_busy(c.servers[victim], 5)
+            wait_busy(c.servers[victim], streams, 30)
             at = time.monotonic()
             c.servers[victim] = c.servers[victim].respawn()
             wait_healthy([c.servers[victim]], timeout=600)
@@ -209,6 +251,7 @@ def test_rolling_restarts_under_load_lose_no_request_that_had_not_started(cluste
                          "failed": len(failed), "failed_after_first_byte": sum(o.first_byte for o in failed)})
     print(json.dumps({"kills": at_kills, "phases": rows}))
     (c.work / "restarts.json").write_text(json.dumps({"kills": at_kills, "phases": rows}))
+    assert all(k["in_flight"] > 0 for k in at_kills), at_kills  # every kill hit requests in flight
     wrong = [(o.router, o.prompt[:20], o.text) for o in outcomes if o.answered and o.text != c.refs[o.prompt]]
     assert not wrong, wrong
     assert all(o.end - o.start <= REQUEST_TIMEOUT_S + 5 for o in outcomes)
@@ -238,12 +281,13 @@ def test_a_restarted_router_learns_everything_again_and_no_request_hangs(cluster
         ask("A", old.url, list(c.refs)[2 + i], stream=i == 1, timeout=REQUEST_TIMEOUT_S, gen=long))) for i in range(3)]
     for t in threads:
         t.start()
-    wait_busy(c.servers["D0"], 10)
+    wait_running(c.servers["D0"], 10)
     killed = time.monotonic()
     old.kill()
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a client still waits on a killed router"
+    assert any(o.in_flight_at(killed) for o in results), results  # the kill hit requests under way
     assert all(o.end - killed < 10 for o in results if not o.answered), results
     old.stop()
     c.routers["A"] = c.router("A", port=old.port, generation=1)
