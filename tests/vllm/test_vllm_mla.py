@@ -30,8 +30,8 @@ FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10}
 
 
 def make_mla_model(directory, seed: int = 0):
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "dev" / "make_tiny_mla_model.py"), str(directory),
-                    "--seed", str(seed)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "dev" / "make_tiny_model.py"), str(directory),
+                    "--seed", str(seed), "--family", "deepseek_v2"], check=True, stdout=subprocess.DEVNULL)
     return directory
 
 
