@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from kvpush_common.testing.vllm_cluster import Router, VllmServer, free_port_pair, make_model, post_json, wait_healthy
+from kvpush_common.testing.vllm_cluster import (Router, VllmServer, free_port_pair, kvpush_metrics, make_model,
+                                                post_json, wait_healthy)
 
 GEN = {"model": "tiny", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 # D's bound: transfer_timeout_s + fence_wait_s (reg_ttl_s + write_timeout_s + fence_grace_s 5) = 15 s
@@ -86,13 +87,7 @@ class Pair:
         wait_healthy([self.P], timeout=timeout)
 
     def d_metrics_now(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.d_metrics}/metrics", timeout=10).read().decode()
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name = line.split("{")[0].split(" ")[0]
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
+        return kvpush_metrics(self.d_metrics)
 
 
 def rss_mib(proc) -> float:

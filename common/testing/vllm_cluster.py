@@ -287,3 +287,27 @@ def direct_legs(p_url: str, d_url: str, events_dir: Path, request: dict, order: 
     first = "registration" if ev["registration"] < ev["kv_ready"] else "kv_ready"
     assert first == ("registration" if order == "registration_first" else "kv_ready"), ev
     return (*result["d"], tid)
+
+
+def nixl_connector_text(p_url: str, d_url: str, request: dict) -> str:
+    """The same request over vLLM's own NixlConnector pair (pull: P's leg first, then D's with P's
+    kv_transfer_params): the answer a model family gets from vLLM's connector, for tests that compare with it."""
+    from kvpush_common.testing.nixl_proxy import prefill_body
+
+    status, p_body = post_json(p_url + "/v1/completions", prefill_body(request, None))
+    assert status == 200, p_body
+    d_leg = {**request, "kv_transfer_params": p_body["kv_transfer_params"]}
+    status, d_body = post_json(d_url + "/v1/completions", d_leg)
+    assert status == 200, d_body
+    return d_body["choices"][0]["text"]
+
+
+def kvpush_metrics(port: int) -> dict[str, float]:
+    """kvpush's Prometheus metrics of one rank (`metrics_port`), each name summed over its labels."""
+    out: dict[str, float] = {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -21,8 +21,8 @@ import pytest
 
 from kvpush_common.router.load import parse_vllm_load
 from kvpush_common.testing.vllm_chaos import GEN, Outcome, ask
-from kvpush_common.testing.vllm_cluster import (Router, VllmServer, free_port_pair, get_json, make_model, post_json,
-                                                prompts, scratch_dir, wait_healthy)
+from kvpush_common.testing.vllm_cluster import (Router, VllmServer, free_port_pair, get_json, kvpush_metrics, make_model,
+                                                post_json, prompts, scratch_dir, wait_healthy)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # `chaos` comes from the folder
 
@@ -59,16 +59,6 @@ def stack():
 def gauges(server: VllmServer) -> dict[str, float]:
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
         return parse_vllm_load(r.read().decode())
-
-
-def kvpush_metrics(port: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def poll(what, limit_s: float, step_s: float = 0.05):

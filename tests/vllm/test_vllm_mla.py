@@ -19,9 +19,8 @@ import sys
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.nixl_proxy import prefill_body
-from kvpush_common.testing.vllm_cluster import (ROOT, VllmServer, direct_legs, free_port_pair, post_json, prompts,
-                                                scratch_dir, wait_healthy)
+from kvpush_common.testing.vllm_cluster import (ROOT, VllmServer, direct_legs, free_port_pair, nixl_connector_text,
+                                                prompts, scratch_dir, wait_healthy)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -63,13 +62,8 @@ def mla():
 
 
 def nixl_answer(mla, prompt: str) -> str:
-    """The same request over vLLM's NixlConnector (pull: P's leg first, D's with P's kv_transfer_params)."""
-    status, p_body = post_json(mla["NP"].url + "/v1/completions", prefill_body({**GEN, "prompt": prompt}, None))
-    assert status == 200, p_body
-    status, d_body = post_json(mla["ND"].url + "/v1/completions",
-                               {**GEN, "prompt": prompt, "kv_transfer_params": p_body["kv_transfer_params"]})
-    assert status == 200, d_body
-    return d_body["choices"][0]["text"]
+    """The same request over vLLM's NixlConnector."""
+    return nixl_connector_text(mla["NP"].url, mla["ND"].url, {**GEN, "prompt": prompt})
 
 
 @pytest.mark.parametrize("order", ["registration_first", "ready_first"])

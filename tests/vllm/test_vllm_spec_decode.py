@@ -17,9 +17,8 @@ import urllib.request
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.nixl_proxy import prefill_body
 from kvpush_common.testing.vllm_cluster import (VllmServer, completion_text, direct_legs, free_port_pair, make_model,
-                                                post_json, prompts, scratch_dir, wait_healthy)
+                                                nixl_connector_text, prompts, scratch_dir, wait_healthy)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -76,14 +75,9 @@ def spec():
             proc.stop()
 
 
-def over_nixl(spec, prompt: str):
-    """The same request over vLLM's NixlConnector (P's leg, then D's with P's kv_transfer_params)."""
-    status, p_body = post_json(spec["NP"].url + "/v1/completions", prefill_body({**GEN, "prompt": prompt}, None))
-    assert status == 200, p_body
-    status, d_body = post_json(spec["ND"].url + "/v1/completions",
-                               {**GEN, "prompt": prompt, "kv_transfer_params": p_body["kv_transfer_params"]})
-    assert status == 200, d_body
-    return d_body["choices"][0]["text"]
+def over_nixl(spec, prompt: str) -> str:
+    """The same request over vLLM's NixlConnector."""
+    return nixl_connector_text(spec["NP"].url, spec["ND"].url, {**GEN, "prompt": prompt})
 
 
 @pytest.mark.parametrize("order", ["registration_first", "ready_first"])
