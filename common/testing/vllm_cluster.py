@@ -3,6 +3,7 @@ and the demo.  Every process runs in its own process group and is stopped with i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -287,6 +288,34 @@ def direct_legs(p_url: str, d_url: str, events_dir: Path, request: dict, order: 
     first = "registration" if ev["registration"] < ev["kv_ready"] else "kv_ready"
     assert first == ("registration" if order == "registration_first" else "kv_ready"), ev
     return (*result["d"], tid)
+
+
+@contextlib.contextmanager
+def kvpush_and_nixl_pairs(work: Path, model: Path, kvpush: dict, args: tuple[str, ...] = ()):
+    """A kvpush P + D (events under work/events) and a vLLM NixlConnector P + D of the same model and arguments,
+    healthy, stopped on exit: the tests of model families whose answers are compared with vLLM's own connector."""
+    events = work / "events"
+    env = {"KVPUSH_EVENT_DIR": str(events)}
+    nixl_env = lambda: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
+                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_pair())}
+    nixl = lambda role: {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}  # noqa: E731
+    args = list(args)
+    servers = [
+        VllmServer("P", model, role="kv_producer", log_dir=work, core="0", env=env, args=args,
+                   extra={"port": free_port_pair(), **kvpush}),
+        VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", env=env, args=args,
+                   extra={"transfer_timeout_s": 30, "local_prefill_max_tokens": 0, **kvpush}),
+        VllmServer("NP", model, role="kv_producer", log_dir=work, core="0", args=args, kv_config=nixl("kv_producer"),
+                   env=nixl_env()),
+        VllmServer("ND", model, role="kv_consumer", log_dir=work, core="1", args=args, kv_config=nixl("kv_consumer"),
+                   env=nixl_env()),
+    ]
+    try:
+        wait_healthy(servers, timeout=600)
+        yield {**{s.name: s for s in servers}, "events": events, "work": work}
+    finally:
+        for proc in servers:
+            proc.stop()
 
 
 def nixl_connector_text(p_url: str, d_url: str, request: dict) -> str:

@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.vllm_cluster import (ROOT, VllmServer, direct_legs, free_port_pair, nixl_connector_text,
-                                                prompts, scratch_dir, wait_healthy)
+from kvpush_common.testing.vllm_cluster import (ROOT, direct_legs, kvpush_and_nixl_pairs, nixl_connector_text, prompts,
+                                                scratch_dir)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,28 +37,8 @@ def make_mla_model(directory, seed: int = 0):
 @pytest.fixture(scope="module")
 def mla():
     work = scratch_dir("kvpush-mla-")
-    events = work / "events"
-    env = {"KVPUSH_EVENT_DIR": str(events)}
-    model = make_mla_model(work / "tiny-mla")
-    nixl_env = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
-                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-    nixl = lambda role: {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}  # noqa: E731
-    servers = [
-        VllmServer("P", model, role="kv_producer", log_dir=work, core="0", env=env, extra={"port": free_port_pair(),
-                                                                                           **FAST}),
-        VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", env=env,
-                   extra={"transfer_timeout_s": 30, "local_prefill_max_tokens": 0, **FAST}),
-        VllmServer("NP", model, role="kv_producer", log_dir=work, core="0", kv_config=nixl("kv_producer"),
-                   env=nixl_env(free_port_pair())),
-        VllmServer("ND", model, role="kv_consumer", log_dir=work, core="1", kv_config=nixl("kv_consumer"),
-                   env=nixl_env(free_port_pair())),
-    ]
-    try:
-        wait_healthy(servers, timeout=600)
-        yield {**{s.name: s for s in servers}, "events": events, "work": work}
-    finally:
-        for proc in servers:
-            proc.stop()
+    with kvpush_and_nixl_pairs(work, make_mla_model(work / "tiny-mla"), FAST) as servers:
+        yield servers
 
 
 def nixl_answer(mla, prompt: str) -> str:

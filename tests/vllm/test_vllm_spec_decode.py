@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 
 from kvpush_common.endpoint.events import read_events
-from kvpush_common.testing.vllm_cluster import (VllmServer, completion_text, direct_legs, free_port_pair, make_model,
-                                                nixl_connector_text, prompts, scratch_dir, wait_healthy)
+from kvpush_common.testing.vllm_cluster import (completion_text, direct_legs, kvpush_and_nixl_pairs, make_model,
+                                                nixl_connector_text, prompts, scratch_dir)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,31 +48,12 @@ def counted(url: str, fn):
 @pytest.fixture(scope="module")
 def spec():
     work = scratch_dir("kvpush-spec-")
-    events = work / "events"
-    env = {"KVPUSH_EVENT_DIR": str(events)}
     model = make_model(work / "tiny", seed=0)
     drafter = make_model(work / "tiny-drafter", seed=0)
-    args = ["--speculative-config", json.dumps({"method": "draft_model", "model": str(drafter),
-                                                 "num_speculative_tokens": 2})]
-    nixl_env = lambda port: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
-                             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-    nixl = lambda role: {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}  # noqa: E731
-    servers = [
-        VllmServer("P", model, role="kv_producer", log_dir=work, core="0", env=env, args=args,
-                   extra={"port": free_port_pair(), **FAST}),
-        VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", env=env, args=args,
-                   extra={"transfer_timeout_s": 30, "local_prefill_max_tokens": 0, **FAST}),
-        VllmServer("NP", model, role="kv_producer", log_dir=work, core="0", args=args, kv_config=nixl("kv_producer"),
-                   env=nixl_env(free_port_pair())),
-        VllmServer("ND", model, role="kv_consumer", log_dir=work, core="1", args=args, kv_config=nixl("kv_consumer"),
-                   env=nixl_env(free_port_pair())),
-    ]
-    try:
-        wait_healthy(servers, timeout=600)
-        yield {**{s.name: s for s in servers}, "events": events, "work": work}
-    finally:
-        for proc in servers:
-            proc.stop()
+    args = ("--speculative-config", json.dumps({"method": "draft_model", "model": str(drafter),
+                                                 "num_speculative_tokens": 2}))
+    with kvpush_and_nixl_pairs(work, model, FAST, args) as servers:
+        yield servers
 
 
 def over_nixl(spec, prompt: str) -> str:
