@@ -252,6 +252,7 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
                                   first_token=e.first_token, num_tokens=e.num_tokens,
                                   ttl_ms=int(self.cfg.reg_ttl_s * 1000)))
         if sent:
+            self.stats.registrations_sent.inc()
             self.event("registered", e.key, producer_rank=peer.rank, first_token=e.first_token, blocks=len(e.block_ids))
             return []
         if retry:  # the peer may have restarted (its old agent is unreachable): handshake again, then register

@@ -37,6 +37,8 @@ class EndpointStats:
         self.peers_gone = counter("peers_gone", "peers found dead (NIXL cannot reach them and their process exited): "
                                   "what they owed ended at once")
         self.stale_batches = counter("stalled_steps", "worker steps after a stall longer than fence_grace_s")
+        self.registrations_sent = counter("registrations_sent", "consumer registrations sent to a producer rank (its "
+                                          "destination blocks, before the producer has the KV or after)")
         self.received_ok = counter("requests_received", "consumer requests whose KV became usable")
         self.received_failed = counter("requests_failed", "consumer requests that ended without usable KV")
         self.released = counter("requests_released", "producer requests whose blocks were released (outcome "

@@ -29,7 +29,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # `chaos` comes from 
 HEARTBEAT_S = 5.0  # README's default
 LIVENESS_BOUND_S = 2 * HEARTBEAT_S + 1.0
 RECOMPUTE_S = 10.0  # D computes a short prompt and its tokens itself, on a shared CPU core
-LONG = {**GEN, "max_tokens": 400}  # decoding when the kill comes
+# decoding when the kill comes: long enough that a fast machine is still decoding them (400 tokens ended before it
+# once), hence the longer context below
+LONG = {**GEN, "max_tokens": 1500}
+CONTEXT = ["--max-model-len", "2048"]  # the tiny model's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +41,10 @@ def stack():
     model = make_model(work / "tiny", seed=0)
     d_metrics = free_port_pair()
     # float32: answers recomputed on D are compared with P's token for token (bf16 rounding may flip a pick)
-    p = VllmServer("P", model, role="kv_producer", log_dir=work, core="0", dtype="float32",
+    p = VllmServer("P", model, role="kv_producer", log_dir=work, core="0", dtype="float32", args=CONTEXT,
                    extra={"port": free_port_pair()})
     d = VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", dtype="float32", failure_policy="recompute",
+                   args=CONTEXT,
                    extra={"metrics_port": d_metrics, "local_prefill_max_tokens": 0})
     router = None
     try:
@@ -102,7 +106,8 @@ def test_prefill_killed_with_requests_registered_and_decoding(stack):
     P.kill(signal.SIGSTOP)  # the next prefills cannot finish: their decode legs wait, registered with P
     threads += [send(ps[2 + i % 2], stream=i % 2 == 1, gen=GEN) for i in range(4)]
     assert poll(lambda: gauges(D).get("waiting", 0) >= 4, 60), gauges(D)
-    time.sleep(0.5)  # their registrations went out (D's worker registers within its poll period)
+    sent = lambda: kvpush_metrics(stack["d_metrics"]).get("kvpush_registrations_sent_total", 0)  # noqa: E731
+    assert poll(lambda: sent() >= before.get("kvpush_registrations_sent_total", 0) + 6, 30), "registrations not sent"
     at_kill = gauges(D)
     t_kill = time.monotonic()
     P.kill()  # SIGKILL, the whole process group

@@ -93,6 +93,7 @@ class Kill:
     victim: str
     at: float
     up: float
+    under_way: int  # requests through the victim's routers under way when it was killed
 
 
 class CountedStream(LoadStream):
@@ -115,19 +116,19 @@ class CountedStream(LoadStream):
             self._stop.wait(self.pause_s)
 
 
-def wait_busy(server: VllmServer, streams: dict[str, CountedStream], limit_s: float) -> None:
+def wait_busy(server: VllmServer, streams: dict[str, CountedStream], limit_s: float) -> int:
     """Until a request through a router that uses `server` is under way, so that the kill finds one in flight
     (preferably while `server` itself runs one: vLLM's gauge, polled for a few seconds -- a prefill on this
-    machine lasts milliseconds, so that is best effort).  None under way within `limit_s` fails the test."""
+    machine lasts milliseconds, so that is best effort).  Returns how many are under way, counted at the return
+    (the caller kills right after; a short request may still end in between, so the timestamps of the ended
+    requests can show none in flight at the kill).  None under way within `limit_s` fails the test."""
     users = [streams[r] for r in USES if server.base_name in USES[r]]
     deadline = time.monotonic() + limit_s
     gauge_until = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if any(s.running for s in users):
-            if time.monotonic() >= gauge_until:
-                return
-            if runs_one(server):
-                return
+        under_way = sum(s.running for s in users)
+        if under_way and (time.monotonic() >= gauge_until or runs_one(server)):
+            return under_way
         time.sleep(0.02)
     raise AssertionError(f"no request through a router using {server.name} within {limit_s:g} s: nothing would be "
                          f"in flight at its kill")
@@ -219,12 +220,12 @@ def test_rolling_restarts_under_load_lose_no_request_that_had_not_started(cluste
             if victim == "P0":
                 c.routers["C"] = c.router("C")
                 wait_healthy([c.routers["C"]], timeout=180)
-            wait_busy(c.servers[victim], streams, 30)
+            under_way = wait_busy(c.servers[victim], streams, 30)
             at = time.monotonic()
             c.servers[victim] = c.servers[victim].respawn()
             wait_healthy([c.servers[victim]], timeout=600)
             answers(c.servers[victim], 300)
-            kills.append(Kill(victim, at, time.monotonic()))
+            kills.append(Kill(victim, at, time.monotonic(), under_way))
             since = time.time()
             if victim == "P0":  # the issue's operator: right after the restart, 1 of 6 answers
                 got = exact_through(c, "A", 6)
@@ -247,11 +248,11 @@ def test_rolling_restarts_under_load_lose_no_request_that_had_not_started(cluste
     for k in kills:
         in_flight = [o for o in outcomes if k.victim in USES[o.router] and o.in_flight_at(k.at)]
         failed = [o for o in in_flight if not o.answered]
-        at_kills.append({"victim": k.victim, "down_s": round(k.up - k.at, 1), "in_flight": len(in_flight),
+        at_kills.append({"victim": k.victim, "down_s": round(k.up - k.at, 1), "under_way": k.under_way,
+                         "in_flight": len(in_flight),
                          "failed": len(failed), "failed_after_first_byte": sum(o.first_byte for o in failed)})
     print(json.dumps({"kills": at_kills, "phases": rows}))
     (c.work / "restarts.json").write_text(json.dumps({"kills": at_kills, "phases": rows}))
-    assert all(k["in_flight"] > 0 for k in at_kills), at_kills  # every kill hit requests in flight
     wrong = [(o.router, o.prompt[:20], o.text) for o in outcomes if o.answered and o.text != c.refs[o.prompt]]
     assert not wrong, wrong
     assert all(o.end - o.start <= REQUEST_TIMEOUT_S + 5 for o in outcomes)
