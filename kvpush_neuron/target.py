@@ -11,15 +11,14 @@ EFA installer's libfabric comes first on LD_LIBRARY_PATH.  None of it has run on
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from kvpush_common.ops import deploy, doctor
 from kvpush_common.ops.deploy import LaunchPlan
 from kvpush_common.ops.doctor import Check
 
-from .efa import PHYSICAL_CORES_PER_CHIP, cores_per_chip, neuron_efa_preflight
+from .efa import PHYSICAL_CORES_PER_CHIP, TrnHost, cores_per_chip, neuron_efa_preflight, plugin_rails
 from .runtime import parse_core_list
 
 CONNECTOR = "KVPushNeuronConnector"
@@ -89,85 +88,11 @@ class NeuronTarget:
 TARGET = NeuronTarget()
 
 
-# The vLLM Neuron plugin's EFA PCI address (BDF) of each host Neuron device, per instance family: its worker sets each
-# rank's FI_EFA_IFACE from it, raising at start-up when the rank's EFA is absent (unless NEURON_SKIP_EFA_AFFINITY=1):
-# jinhuang12/vllm-neuron vllm_neuron/utils/hardware_config.py @ 0bae3e9c (docs/neuron.md, fact 30).
-PLUGIN_EFA_BDF = {
-    "trn2": ("0000:c9:00.0", "0000:b4:00.0", "0000:b3:00.0", "0000:ca:00.0", "0000:6c:00.0", "0000:57:00.0",
-             "0000:56:00.0", "0000:6d:00.0", "0000:98:00.0", "0000:83:00.0", "0000:82:00.0", "0000:99:00.0",
-             "0000:f5:00.0", "0000:e0:00.0", "0000:df:00.0", "0000:f6:00.0"),
-    "trn3pd": ("0000:be:00.0", "0000:a9:00.0", "0000:a8:00.0", "0000:bf:00.0", "0000:61:00.0", "0000:4c:00.0",
-               "0000:4b:00.0", "0000:62:00.0", "0000:8d:00.0", "0000:78:00.0", "0000:77:00.0", "0000:8e:00.0",
-               "0000:ea:00.0", "0000:d5:00.0", "0000:d4:00.0", "0000:eb:00.0"),
-    "trn3pds": ("0000:a9:00.0", "0000:a8:00.0", "0000:bf:00.0", "0000:be:00.0", "0000:d5:00.0", "0000:d4:00.0",
-                "0000:eb:00.0", "0000:ea:00.0", "0000:4c:00.0", "0000:4b:00.0", "0000:62:00.0", "0000:61:00.0",
-                "0000:78:00.0", "0000:77:00.0", "0000:8e:00.0", "0000:8d:00.0"),
-}
-DMI_PRODUCT = Path("/sys/devices/virtual/dmi/id/product_name")
-PCI_DEVICES = Path("/sys/bus/pci/devices")
-SKIP_AFFINITY_FIX = "or set NEURON_SKIP_EFA_AFFINITY=1 (the plugin's worker then pins no EFA)"
-
-
-def plugin_instance_family(env: Mapping[str, str], product_name: str | None) -> str | None:
-    """The plugin's `get_instance_family`: VLLM_NEURON_EFA_INSTANCE_FAMILY, else the DMI product name's prefix
-    (any trn3* is trn3pds, any trn2* trn2)."""
-    if env.get("VLLM_NEURON_EFA_INSTANCE_FAMILY"):
-        return env["VLLM_NEURON_EFA_INSTANCE_FAMILY"]
-    if not product_name:
-        return None
-    family = product_name.split(".")[0]
-    return "trn3pds" if family.startswith("trn3") else "trn2" if family.startswith("trn2") else family
-
-
-def _device_minor(path: Path) -> int:
-    return os.minor(os.stat(path).st_rdev)
-
-
-def efa_affinity_check(env: Mapping[str, str], *, product: Path = DMI_PRODUCT, dev: Path = Path("/dev"),
-                       pci: Path = PCI_DEVICES, minor: Callable[[Path], int] = _device_minor) -> Check:
-    """Each visible core's EFA as the plugin's worker resolves it (`get_efa_interface`: logical core -> Neuron
-    device `core * NEURON_LOGICAL_NC_CONFIG // 8` -> the host device, /dev/neuron<n>'s minor -> its BDF in the
-    plugin's table -> /sys/bus/pci/devices/<bdf>/infiniband), and the start-up error it would raise instead."""
-    name = "efa-affinity"
-    if env.get("NEURON_SKIP_EFA_AFFINITY") == "1":
-        return Check(name, True, "NEURON_SKIP_EFA_AFFINITY=1: the plugin's worker pins no EFA")
-    product_name = product.read_text().strip() if product.is_file() else None
-    family = plugin_instance_family(env, product_name)
-    if family not in PLUGIN_EFA_BDF:
-        if not (product_name or "").startswith("trn") and not env.get("VLLM_NEURON_EFA_INSTANCE_FAMILY"):
-            return Check(name, True, f"not a trn host (DMI product name {product_name!r}): the plugin's worker maps "
-                                     f"ranks to EFAs on {', '.join(PLUGIN_EFA_BDF)} only; not checked")
-        return Check(name, False, "1 problem", (
-            f"instance family {family!r}: the plugin's worker supports {', '.join(PLUGIN_EFA_BDF)} and raises "
-            f"otherwise; set VLLM_NEURON_EFA_INSTANCE_FAMILY to the host's family {SKIP_AFFINITY_FIX}",))
-    table = PLUGIN_EFA_BDF[family]
-    lnc = int(env.get("NEURON_LOGICAL_NC_CONFIG") or 2)
-    cores = parse_core_list(env.get("NEURON_VISIBLE_DEVICES", ""))
-    rails, problems = [], []
-    for core in cores:
-        node = dev / f"neuron{core * lnc // PHYSICAL_CORES_PER_CHIP}"
-        if not node.exists():
-            problems.append(f"core {core}: {node} is missing (the plugin's worker raises): run on the host's Neuron "
-                            "devices with the Neuron driver loaded")
-            continue
-        host_nd = minor(node)
-        if host_nd >= len(table):
-            problems.append(f"core {core}: Neuron device {host_nd} is beyond the plugin's {family} table "
-                            f"({len(table)} devices) {SKIP_AFFINITY_FIX}")
-            continue
-        ib = pci / table[host_nd] / "infiniband"
-        ifaces = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
-        if not ifaces:
-            problems.append(f"core {core}: no EFA at {table[host_nd]} (Neuron device {host_nd}), where the plugin "
-                            f"looks for it: launch the instance with all its EFA interfaces {SKIP_AFFINITY_FIX}")
-            continue
-        if rails and rails[-1][2] == ifaces[0] and rails[-1][1] == core - 1:
-            rails[-1][1] = core  # a run of cores on one EFA
-        else:
-            rails.append([core, core, ifaces[0]])
-    detail = (f"{family}: cores:EFA " + " ".join(f"{a}{'-' + str(b) if b != a else ''}:{e}" for a, b, e in rails)
-              if rails else f"{family}: NEURON_VISIBLE_DEVICES unset (the plugin takes cores 0..TP-1)")
-    return doctor.from_problems(name, problems, detail)
+def efa_affinity_check(env: Mapping[str, str], host: TrnHost = TrnHost()) -> Check:
+    """Each visible core's EFA as the plugin's worker resolves it (`efa.plugin_rails`, the connector's preflight's
+    source too), and the start-up error it would raise instead."""
+    rails = plugin_rails(env, host)
+    return doctor.from_problems("efa-affinity", rails.problems, rails.summary())
 
 
 def neuron_devices(dev: Path = Path("/dev")) -> list[str]:
@@ -202,14 +127,14 @@ def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path
     cores = env.get("NEURON_VISIBLE_DEVICES") or "(unset: the plugin takes cores 0..TP-1)"
     checks.append(doctor.from_problems("neuron-env", launch_env_problems(env, len(devices)),
                                        f"NEURON_VISIBLE_DEVICES={cores}"))
+    # the rails are the efa-affinity check's (one source: efa.plugin_rails), not repeated under efa
     preflight = neuron_efa_preflight(env, same_host=same_host, fabric_version=fabric_version,
-                                     fabric_symbol=fabric_symbol, chips=len(devices) or None,
-                                     **({"sysfs": sysfs} if sysfs else {}))
-    checks.append(efa_affinity_check(env, dev=dev))
+                                     fabric_symbol=fabric_symbol, rails=False, **({"sysfs": sysfs} if sysfs else {}))
+    checks.append(efa_affinity_check(env, TrnHost(dev=dev)))
     checks.append(doctor.from_problems(
         "efa", preflight,
-        f"EFA rails, provider env and libfabric ready ({'same-host' if same_host else 'two-host'} P/D, one EFA "
-        f"per Trainium chip)"))
+        f"EFA devices, provider env and libfabric ready ({'same-host' if same_host else 'two-host'} P/D; each "
+        f"core's rail under efa-affinity)"))
     return checks
 
 

@@ -1,13 +1,11 @@
 """kvpush_neuron's EFA preflight for trn2 and trn3 (faked sysfs and env) and `kvpush config neuron` for a Trn3
 server: the rules the vLLM Neuron plugin's tutorials set, each problem named with its fix."""
 
-import os
-
 import pytest
 
-from kvpush_neuron.efa import (EfaPreflightError, cores_per_chip, efa_devices, neuron_efa_preflight,
-                               neuron_transport, rank_rails)
-from kvpush_neuron.runtime import parse_core_list
+from kvpush_neuron.efa import (PLUGIN_EFA_BDF, EfaPreflightError, TrnHost, cores_per_chip, neuron_efa_preflight,
+                               neuron_transport)
+from kvpush_neuron.fake_host import fake_trn_host
 
 
 # ---- EFA preflight --------------------------------------------------------------------------------
@@ -16,42 +14,34 @@ EFA_ENV = {"NEURON_VISIBLE_DEVICES": "32-63", "FI_PROVIDER": "efa", "FI_EFA_USE_
            "FI_EFA_ENABLE_SHM_TRANSFER": "0"}
 
 
-def fake_sysfs(tmp_path, count, driver="efa"):
-    root = tmp_path / "infiniband"
-    drivers = tmp_path / "drivers" / driver
-    drivers.mkdir(parents=True)
-    for i in range(count):
-        (root / f"rdmap{i:02d}s0" / "device").mkdir(parents=True)
-        os.symlink(drivers, root / f"rdmap{i:02d}s0" / "device" / "driver")
-    return root
+def not_trn(tmp_path):
+    """A host whose DMI names no trn product: the plugin's worker pins no EFA there, nor does the preflight."""
+    return TrnHost(product=tmp_path / "no-dmi")
 
 
 def test_trn2_host_set_up_as_documented_passes(tmp_path):
-    sysfs = fake_sysfs(tmp_path, 16)
-    assert neuron_efa_preflight(EFA_ENV, sysfs=sysfs, fabric_version=(2, 7)) == []
-    cfg = neuron_transport({"backend_params": {"num_threads": 2}}, EFA_ENV, sysfs=sysfs, fabric_version=(2, 8))
+    host, sysfs = fake_trn_host(tmp_path)
+    assert neuron_efa_preflight(EFA_ENV, sysfs=sysfs, host=host, fabric_version=(2, 7)) == []
+    cfg = neuron_transport({"backend_params": {"num_threads": 2}}, EFA_ENV, sysfs=sysfs, host=host,
+                           fabric_version=(2, 8))
     assert cfg.backend == "LIBFABRIC" and cfg.init_params() == {"num_threads": "2"}
-
-
-def test_each_rank_gets_its_chips_rail(tmp_path):
-    devices = efa_devices(fake_sysfs(tmp_path, 16))
     assert cores_per_chip({}) == 4 and cores_per_chip({"NEURON_LOGICAL_NC_CONFIG": "1"}) == 8
-    rails = rank_rails(parse_core_list("32-63"), devices, 4)  # D: DP4 x TP8 on chips 8..15
-    assert rails[0] == rails[3] == "rdmap08s0" and rails[4] == "rdmap09s0" and rails[-1] == "rdmap15s0"
-    assert rank_rails([0, 9], devices[:2], 4) == ["rdmap00s0", None]
 
 
 def test_every_problem_is_named_with_its_fix(tmp_path):
-    sysfs = fake_sysfs(tmp_path, 4)  # a host launched with 4 of its 16 EFA interfaces
+    host, sysfs = fake_trn_host(tmp_path, efas=PLUGIN_EFA_BDF["trn2"][:4])  # launched with 4 of its 16 EFAs
     problems = neuron_efa_preflight({"NEURON_VISIBLE_DEVICES": "0-3,28", "FI_PROVIDER": "tcp",
-                                     "FI_EFA_USE_DEVICE_RDMA": "0"}, sysfs=sysfs, fabric_version=(2, 1), chips=16)
+                                     "FI_EFA_USE_DEVICE_RDMA": "0"}, sysfs=sysfs, host=host, fabric_version=(2, 1))
     text = "\n".join(problems)
     assert len(problems) == 5, text
-    assert "cores [28]" in text and "16 EFA interfaces, one per chip" in text and "FI_PROVIDER=efa" in text
-    assert "FI_EFA_USE_DEVICE_RDMA=0 turns" in text and "FI_EFA_ENABLE_SHM_TRANSFER" in text and "FABRIC_1.10" in text
+    assert "core 28: no EFA at 0000:6d:00.0 (Neuron device 7)" in text and "all its EFA interfaces" in text
+    assert "FI_PROVIDER=efa" in text and "FI_EFA_USE_DEVICE_RDMA=0 turns" in text
+    assert "FI_EFA_ENABLE_SHM_TRANSFER" in text and "FABRIC_1.10" in text
     assert not any("SHM" in p for p in neuron_efa_preflight({**EFA_ENV, "FI_EFA_ENABLE_SHM_TRANSFER": "1"},
-                                                          sysfs=sysfs, same_host=False, fabric_version=(2, 7)))
-    assert "libfabric.so.1 not found" in neuron_efa_preflight(EFA_ENV, sysfs=sysfs, fabric_version=None)[-1]
+                                                          sysfs=sysfs, host=not_trn(tmp_path), same_host=False,
+                                                          fabric_version=(2, 7)))
+    assert "libfabric.so.1 not found" in neuron_efa_preflight(EFA_ENV, sysfs=sysfs, host=not_trn(tmp_path),
+                                                              fabric_version=None)[-1]
 
 
 # what the plugin's DI tutorial exports (tutorial-di-1p1d-xpyd.md): the shm transport off, nothing else of EFA;
@@ -59,28 +49,30 @@ def test_every_problem_is_named_with_its_fix(tmp_path):
 TUTORIAL_ENV = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0", "FI_EFA_ENABLE_SHM_TRANSFER": "0"}
 
 
-@pytest.mark.parametrize("host,chips,cores", [
+@pytest.mark.parametrize("product,chips,cores", [
     ("trn2.48xlarge", 16, "32-63"),  # the tutorial's decode, DP4 x TP8 on chips 8..15
-    ("trn3 Gen1 server", 16, "0-3"),  # Trainium3 has 8 physical cores per chip too
-    ("trn3 Gen2 server", 4, "8-15"),  # 4 chips, one EFA each
+    ("trn3.48xlarge", 16, "0-3"),  # a Trn3 Gen1 server: Trainium3 has 8 physical cores per chip too
+    ("trn3.12xlarge", 4, "8-15"),  # a Trn3 Gen2 server (name assumed: any trn3* is the plugin's trn3pds): 4 chips
 ])
-def test_the_plugin_tutorials_env_passes_on_trn2_and_trn3(tmp_path, host, chips, cores):
-    sysfs = fake_sysfs(tmp_path, chips)
+def test_the_plugin_tutorials_env_passes_on_trn2_and_trn3(tmp_path, product, chips, cores):
+    family = "trn2" if product.startswith("trn2") else "trn3pds"
+    host, sysfs = fake_trn_host(tmp_path, product=product, devices=chips, efas=PLUGIN_EFA_BDF[family][:chips])
     in_worker = {**TUTORIAL_ENV, "NEURON_VISIBLE_DEVICES": cores, "NEURON_RT_MAP_HBM": "1",
                  "NEURON_RT_VISIBLE_CORES": cores.split("-")[0]}  # what the connector sees inside the worker
-    assert neuron_efa_preflight(in_worker, sysfs=sysfs, fabric_version=(2, 7), chips=chips) == [], host
-    assert neuron_efa_preflight(TUTORIAL_ENV, sysfs=sysfs, fabric_version=(2, 7), chips=chips) == []  # no cores set
-    neuron_transport({}, in_worker, sysfs=sysfs, fabric_version=(2, 7))
-    if chips == 4:  # a Trn3 Gen2 server with one of its four EFA interfaces: named for that host, not trn2's 16
-        problems = neuron_efa_preflight(in_worker, sysfs=fake_sysfs(tmp_path / "one", 1), fabric_version=(2, 7),
-                                        chips=4)
-        assert len(problems) == 1 and "cores [8, 9, 10, 11, 12, 13, 14, 15]" in problems[0]
-        assert "4 EFA interfaces, one per chip" in problems[0]
+    assert neuron_efa_preflight(in_worker, sysfs=sysfs, host=host, fabric_version=(2, 7)) == [], product
+    assert neuron_efa_preflight(TUTORIAL_ENV, sysfs=sysfs, host=host, fabric_version=(2, 7)) == []  # no cores set
+    neuron_transport({}, in_worker, sysfs=sysfs, host=host, fabric_version=(2, 7))
+    if chips == 4:  # a Trn3 Gen2 server with one of its four EFA interfaces: chips 2 and 3 have none
+        one, one_sysfs = fake_trn_host(tmp_path / "one", product=product, devices=4,
+                                       efas=PLUGIN_EFA_BDF[family][:1])
+        problems = neuron_efa_preflight(in_worker, sysfs=one_sysfs, host=one, fabric_version=(2, 7))
+        assert [p.split(":")[0] for p in problems] == [f"core {c}" for c in range(8, 16)], problems
+        assert f"no EFA at {PLUGIN_EFA_BDF[family][2]} (Neuron device 2)" in problems[0]
 
 
 def test_no_efa_or_other_backends_fail_at_start_up(tmp_path):
     with pytest.raises(EfaPreflightError, match="no EFA device.*trn2.3xlarge"):
-        neuron_transport({}, EFA_ENV, sysfs=tmp_path / "none", fabric_version=(2, 7))
+        neuron_transport({}, EFA_ENV, sysfs=tmp_path / "none", host=not_trn(tmp_path), fabric_version=(2, 7))
     with pytest.raises(EfaPreflightError, match="cannot register Neuron HBM: use LIBFABRIC"):
         neuron_transport({"backend": "ucx"}, EFA_ENV, sysfs=tmp_path / "none")
 
@@ -107,10 +99,10 @@ def test_the_tutorials_two_host_environment_passes_the_default(tmp_path):
     tutorial = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0", "FI_EFA_ENABLE_SHM_TRANSFER": "0",
                 "NEURON_VISIBLE_DEVICES": "0-3"}
     default = ExtraConfig().same_host
-    sysfs = fake_sysfs(tmp_path, 16)
+    host, sysfs = fake_trn_host(tmp_path)
 
     def shm(env, same_host):
-        return [p for p in neuron_efa_preflight(env, sysfs=sysfs, same_host=same_host, fabric_version=(2, 7))
+        return [p for p in neuron_efa_preflight(env, sysfs=sysfs, host=host, same_host=same_host, fabric_version=(2, 7))
                 if "FI_EFA_ENABLE_SHM_TRANSFER" in p]
 
     assert default is True and shm(tutorial, default) == []

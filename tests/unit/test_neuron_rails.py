@@ -1,26 +1,16 @@
-"""`kvpush doctor --target neuron` maps each visible core to its EFA as the vLLM Neuron plugin's worker does (its PCI
-table per instance family, docs/neuron.md fact 30) and names the start-up error the plugin would raise instead
-(faked DMI product name, /dev/neuron* and PCI sysfs)."""
+"""Each visible core's EFA as the vLLM Neuron plugin's worker maps it (its PCI table per instance family,
+docs/neuron.md fact 30), read by one function (`efa.plugin_rails`) for both the connector's start-up preflight and
+`kvpush doctor --target neuron`, with the start-up error the plugin would raise instead (faked DMI product name,
+/dev/neuron* and PCI sysfs)."""
 
-from pathlib import Path
+import pytest
 
-from kvpush_neuron.target import PLUGIN_EFA_BDF, efa_affinity_check, neuron_checks, plugin_instance_family
+from kvpush_neuron.efa import (PLUGIN_EFA_BDF, EfaPreflightError, efa_devices, neuron_efa_preflight,
+                               neuron_transport, plugin_instance_family, plugin_rails)
+from kvpush_neuron.fake_host import fake_trn_host
+from kvpush_neuron.target import efa_affinity_check, neuron_checks
 
-
-def fake_host(tmp, product="trn2.48xlarge", devices=16, efas=None, minors=None):
-    """A host whose /dev/neuron<i> has minor minors[i] (default i) and whose EFAs sit at the given BDFs."""
-    (tmp / "dmi").mkdir(parents=True)
-    (tmp / "dmi" / "product_name").write_text(product + "\n")
-    dev = tmp / "dev"
-    dev.mkdir()
-    for i in range(devices):
-        (dev / f"neuron{i}").touch()
-    family = plugin_instance_family({}, product)
-    for n, bdf in enumerate(efas if efas is not None else PLUGIN_EFA_BDF.get(family, ())):
-        (tmp / "pci" / bdf / "infiniband" / f"rdmap{n:03d}s0").mkdir(parents=True)
-    minors = minors or {}
-    return dict(product=tmp / "dmi" / "product_name", dev=dev, pci=tmp / "pci",
-                minor=lambda p: minors.get(int(Path(p).name[6:]), int(Path(p).name[6:])))
+READY = {"FI_EFA_ENABLE_SHM_TRANSFER": "0"}  # the plugin's DI tutorial's environment
 
 
 def test_the_plugins_family_rule():
@@ -31,33 +21,71 @@ def test_the_plugins_family_rule():
 
 
 def test_each_core_gets_the_efa_at_its_devices_pci_address(tmp_path):
-    # device 0's EFA is 0000:c9:00.0 in the plugin's trn2 table, which sorts after others in sysfs
-    host = fake_host(tmp_path)
-    check = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0-3,4,60-63"}, **host)
+    # device 0's EFA is 0000:c9:00.0 in the plugin's trn2 table (rdmap201s0), which sorts after others in sysfs
+    host, sysfs = fake_trn_host(tmp_path)
+    assert efa_devices(sysfs)[0] == "rdmap086s0"  # sysfs order is not the chips' order
+    check = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0-3,4,60-63"}, host)
     assert check.ok, check
     # cores 0-3 are device 0 (LNC=2: 4 logical cores per 8-core chip), core 4 device 1, cores 60-63 device 15
-    assert check.detail == "trn2: cores:EFA 0-3:rdmap000s0 4:rdmap001s0 60-63:rdmap015s0"
+    assert check.detail == "trn2: cores:EFA 0-3:rdmap201s0 4:rdmap180s0 60-63:rdmap246s0"
     # the host device is /dev/neuron<n>'s minor, as the plugin reads it: a remapped device takes its own EFA
-    remapped = fake_host(tmp_path / "remapped", minors={0: 5})
-    assert efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0"}, **remapped).detail.endswith(" 0:rdmap005s0")
+    remapped, _ = fake_trn_host(tmp_path / "remapped", minors={0: 5})
+    assert efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0"}, remapped).detail.endswith(" 0:rdmap087s0")
+    lnc1 = plugin_rails({"NEURON_VISIBLE_DEVICES": "8", "NEURON_LOGICAL_NC_CONFIG": "1"}, host)
+    assert lnc1.rails == [(8, "rdmap180s0")]  # LNC=1: 8 logical cores per chip, core 8 on device 1
 
 
 def test_a_missing_efa_is_the_plugins_start_up_error_with_its_fix(tmp_path):
-    host = fake_host(tmp_path, efas=PLUGIN_EFA_BDF["trn2"][:8])  # launched with 8 of its 16 EFA interfaces
-    check = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "28-35"}, **host)
+    host, _ = fake_trn_host(tmp_path, efas=PLUGIN_EFA_BDF["trn2"][:8])  # launched with 8 of its 16 EFA interfaces
+    check = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "28-35"}, host)
     assert not check.ok and not check.warn
     assert len(check.problems) == 4 and all("no EFA at 0000:98:00.0 (Neuron device 8)" in p for p in check.problems)
     assert "NEURON_SKIP_EFA_AFFINITY=1" in check.problems[0]
-    assert efa_affinity_check({"NEURON_VISIBLE_DEVICES": "28-35", "NEURON_SKIP_EFA_AFFINITY": "1"}, **host).ok
-    gone = fake_host(tmp_path / "two", devices=2)
-    assert "neuron15 is missing" in efa_affinity_check({"NEURON_VISIBLE_DEVICES": "60"}, **gone).problems[0]
+    assert efa_affinity_check({"NEURON_VISIBLE_DEVICES": "28-35", "NEURON_SKIP_EFA_AFFINITY": "1"}, host).ok
+    gone, _ = fake_trn_host(tmp_path / "two", devices=2)
+    assert "neuron15 is missing" in efa_affinity_check({"NEURON_VISIBLE_DEVICES": "60"}, gone).problems[0]
 
 
 def test_an_unknown_family_fails_on_a_trn_host_and_is_not_checked_elsewhere(tmp_path):
-    trn1 = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0"}, **fake_host(tmp_path, product="trn1.32xlarge"))
-    assert not trn1.ok and not trn1.warn and "'trn1'" in trn1.problems[0]
-    other = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0"}, **fake_host(tmp_path / "x", product="m7i.large"))
-    assert other.ok and "not a trn host" in other.detail and "not checked" in other.detail
+    trn1, _ = fake_trn_host(tmp_path, product="trn1.32xlarge")
+    check = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0"}, trn1)
+    assert not check.ok and not check.warn and "'trn1'" in check.problems[0]
+    other, _ = fake_trn_host(tmp_path / "x", product="m7i.large")
+    check = efa_affinity_check({"NEURON_VISIBLE_DEVICES": "0"}, other)
+    assert check.ok and "not a trn host" in check.detail and "not checked" in check.detail
+
+
+def test_the_connectors_preflight_takes_each_ranks_rail_from_the_plugins_table(tmp_path):
+    """A trn2 host launched with the 8 EFAs of chips 8..15 only: 8 EFA devices in sysfs, so a rail count in sysfs
+    order gives chip 0 one, while the plugin's table (and libnrt) put chip 0's at 0000:c9:00.0, which is absent:
+    the connector refuses at start-up as the plugin's worker would, naming the address and the fix."""
+    host, sysfs = fake_trn_host(tmp_path, efas=PLUGIN_EFA_BDF["trn2"][8:])
+    env = {**READY, "NEURON_VISIBLE_DEVICES": "0-3"}
+    assert len(efa_devices(sysfs)) == 8
+    problems = neuron_efa_preflight(env, sysfs=sysfs, host=host, fabric_version=(2, 4), fabric_symbol="FABRIC_1.7")
+    assert len(problems) == 4 and all("no EFA at 0000:c9:00.0 (Neuron device 0)" in p for p in problems), problems
+    with pytest.raises(EfaPreflightError, match="no EFA at 0000:c9:00.0.*NEURON_SKIP_EFA_AFFINITY=1"):
+        neuron_transport({}, env, sysfs=sysfs, host=host, fabric_version=(2, 4), fabric_symbol="FABRIC_1.7")
+    # chips 8..15 have theirs: the decode of the plugin's tutorial (DP4 x TP8 on cores 32-63) starts
+    decode = {**READY, "NEURON_VISIBLE_DEVICES": "32-63"}
+    assert neuron_efa_preflight(decode, sysfs=sysfs, host=host, fabric_version=(2, 4), fabric_symbol="FABRIC_1.7") == []
+    # the doctor reports the same rails from the same function, once (under efa-affinity, not again under efa)
+    assert list(efa_affinity_check(env, host).problems) == plugin_rails(env, host).problems == problems
+    assert neuron_efa_preflight(env, sysfs=sysfs, host=host, fabric_version=(2, 4), fabric_symbol="FABRIC_1.7",
+                                rails=False) == []
+
+
+@pytest.mark.parametrize("product,chips,cores", [
+    ("trn2.48xlarge", 16, "32-63"),
+    ("trn3.48xlarge", 16, "0-3"),  # the plugin maps any trn3* product name to its trn3pds table
+])
+def test_a_fully_launched_host_passes_the_preflight(tmp_path, product, chips, cores):
+    host, sysfs = fake_trn_host(tmp_path, product=product, devices=chips)
+    env = {**READY, "NEURON_VISIBLE_DEVICES": cores}
+    assert neuron_efa_preflight(env, sysfs=sysfs, host=host, fabric_version=(2, 4), fabric_symbol="FABRIC_1.7") == []
+    first, last = map(int, cores.split("-"))
+    rails = plugin_rails(env, host)
+    assert rails.checked and [c for c, _ in rails.rails] == list(range(first, last + 1))
 
 
 def test_the_doctor_runs_it(monkeypatch):
