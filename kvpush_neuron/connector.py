@@ -181,6 +181,15 @@ class KVPushNeuronConnector(KVPushConnector):
 
         return neuron_transport(extra, os.environ, same_host=bool(extra.get("same_host", True)))
 
+    def layout_facts(self, kv_caches: dict) -> dict:
+        """Cache dtype (an FP8 one with this Trainium generation's range), K/V scales and drafter for the layout
+        (`kv_cache.neuron_layout_facts`)."""
+        import os
+
+        from .kv_cache import neuron_layout_facts
+
+        return neuron_layout_facts(self._vllm_config, list(kv_caches), os.environ)
+
     def make_backend(self, kv_caches: dict, head_offset: int) -> DeviceBackend:
         from .kv_cache import NeuronKVCache
 
@@ -192,7 +201,8 @@ class KVPushNeuronConnector(KVPushConnector):
             break
         cfg = self._vllm_config
         backend = NeuronKVCache(kv_caches, head_offset, runtime=runtime, block_size=cfg.cache_config.block_size,
-                                num_heads=self.local_kv_heads(), head_size=cfg.model_config.get_head_size())
+                                num_heads=self.local_kv_heads(), head_size=cfg.model_config.get_head_size(),
+                                **self.layout_facts(kv_caches))
         self._guard = BlockIdGuard(backend.block_ids, backend.layout().block_size)
         return backend
 

@@ -8,6 +8,12 @@ shapes and strides.  Each K and V plane is its own NIXL registration, as vLLM re
 Layers that share one buffer (a KVCacheTensor's `shared_by`) are one set of regions, registered and
 moved once, as vLLM's NIXL connector de-duplicates its base addresses; P and D, serving one model,
 de-duplicate alike.  Block ids: vLLM's (null block 0); the plugin's -1 lives only in its kernel tables.
+
+What the bytes mean travels in the layout as on every connector (`KVLayout.cache_dtype`, `kv_scales`, `drafter`),
+with the one thing only Neuron knows: an FP8 KV cache is the same torch dtype (float8_e4m3fn) on Trainium2 and
+Trainium3, but the plugin writes Trainium2's e4m3 (with inf, largest finite 240) on one and e4m3fn (largest 448) on
+the other, so the cache dtype is named with the range the plugin clamps to (`fp8_e4m3:max240`, `fp8_e4m3:max448`)
+and a pair of generations is refused at the handshake instead of reading values past 240 as inf.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_order
 
+from .efa import TrnHost
 from .runtime import NeuronRuntime
 from .startup import check_hbm_mapped, check_launch_env, check_runtime_ready
 
@@ -26,8 +33,61 @@ NULL_BLOCK = 0  # vLLM's null block (padding, skipped sliding-window blocks): ne
 PLUGIN_PAD = -1  # the plugin's remap of the null block in its block tables
 
 
+# The largest finite FP8 KV value the plugin clamps to, per Trainium generation: "TRN2 uses e4m3 (with inf), max
+# finite = 240. TRN3 uses e4m3fn (no inf), max finite = 448" (jinhuang12/vllm-neuron vllm_neuron/utils/dtype_utils.py
+# @ ed3580d0, FP8_CLAMP_MAX; aws-neuron-sdk vllm-neuron/docs/design/vllm/kv-cache-quantization.md @ a3247f5b).
+FP8_MAX_BY_GENERATION = {"trn2": 240.0, "trn3": 448.0}
+FP8_RANGE_FIX = ("set NEURON_PLATFORM_TARGET_OVERRIDE to this host's generation (trn2 or trn3), or serve a bf16 KV "
+                 "cache (--kv-cache-dtype auto) on P and D")
+
+
 class BlockIdError(ValueError):
     pass
+
+
+def plugin_fp8_clamp_max() -> float | None:
+    """The plugin's own FP8_CLAMP_MAX (resolved at its import from its platform target), None where the installed
+    plugin has none."""
+    try:
+        from vllm_neuron.utils.dtype_utils import FP8_CLAMP_MAX
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return float(FP8_CLAMP_MAX)
+
+
+def neuron_fp8_max(env, host: TrnHost | None = None) -> float | None:
+    """The largest finite value of this host's FP8 KV cache: the plugin's FP8_CLAMP_MAX, else the generation of
+    NEURON_PLATFORM_TARGET_OVERRIDE (the plugin's platform override) or of the DMI product name; None: unknown."""
+    clamp = plugin_fp8_clamp_max()
+    if clamp is not None:
+        return clamp
+    target = env.get("NEURON_PLATFORM_TARGET_OVERRIDE") or (host or TrnHost()).product_name() or ""
+    return next((v for gen, v in FP8_MAX_BY_GENERATION.items() if target.startswith(gen)), None)
+
+
+def neuron_layout_facts(vllm_config, layer_names, env, host: TrnHost | None = None) -> dict:
+    """What the plugin's KV bytes mean, for the layout (`kv_groups.layout_facts`, as the CUDA and CPU connectors):
+    the cache dtype (an FP8 one named with this generation's range), the drafter whose layers are listed, and the
+    K/V scales of a quantised cache: `checkpoint`, since the plugin loads them from the checkpoint only (no runtime
+    calibration) onto its own attention modules, which are not vLLM's and which the connector cannot reach; the
+    model, a compatibility-hash factor, names them.  ValueError (at start-up) where an FP8 cache's range is
+    unknown."""
+    from kvpush_common.vllm.kv_groups import layout_facts
+
+    facts = layout_facts(vllm_config, layer_names)
+    if facts.pop("latent", False):
+        raise ValueError("an MLA (latent) KV cache on the vLLM Neuron plugin is not served by kvpush: its views are "
+                         "(2, blocks, heads, block_size, head_dim) K and V planes")
+    if facts["cache_dtype"].startswith("fp8"):
+        clamp = neuron_fp8_max(env, host)
+        if clamp is None:
+            raise ValueError(
+                f"--kv-cache-dtype {facts['cache_dtype']} on Neuron: the FP8 range of this host's KV cache is unknown "
+                "(Trainium2 stores e4m3 up to 240, Trainium3 e4m3fn up to 448; neither the plugin's FP8_CLAMP_MAX "
+                f"nor a trn2/trn3 product name was found): {FP8_RANGE_FIX}")
+        facts["cache_dtype"] = f"{facts['cache_dtype']}:max{clamp:g}"
+        facts["kv_scales"] = "checkpoint"
+    return facts
 
 
 def strip_block_sentinels(block_ids, num_blocks: int) -> list[int]:
@@ -63,9 +123,11 @@ def _planes(name: str, cache) -> tuple:
 
 
 def describe_neuron_caches(kv_caches: dict, runtime: NeuronRuntime, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                           num_heads: int | None = None, head_size: int | None = None,
-                           head_offset: int = 0) -> tuple[KVLayout, np.ndarray, int]:
-    """(layout, registrations (N, 3) [addr, len, device], device index) of the plugin's KV tensors."""
+                           num_heads: int | None = None, head_size: int | None = None, head_offset: int = 0,
+                           cache_dtype: str = "auto", kv_scales: str = "",
+                           drafter: str = "") -> tuple[KVLayout, np.ndarray, int]:
+    """(layout, registrations (N, 3) [addr, len, device], device index) of the plugin's KV tensors; `cache_dtype`,
+    `kv_scales` and `drafter` say what the bytes mean (`neuron_layout_facts`)."""
     if not kv_caches:
         raise LayoutError("no KV caches to describe")
     names = sorted(kv_caches, key=layer_order)
@@ -115,7 +177,8 @@ def describe_neuron_caches(kv_caches: dict, runtime: NeuronRuntime, *, block_siz
             regs.append([addr, span, device])
     layout = KVLayout(num_layers=len(regions) // 2, num_heads=nh, head_dim=hd, dtype_size=e,
                       dtype=str(k0.dtype).removeprefix("torch."), block_size=bs, num_blocks=nb, order="HND",
-                      regions=regions, mem_type=runtime.mem_type, head_offset=head_offset).validate()
+                      regions=regions, mem_type=runtime.mem_type, head_offset=head_offset, cache_dtype=cache_dtype,
+                      kv_scales=kv_scales, drafter=drafter).validate()
     return layout, np.array(regs, dtype=np.uint64), device
 
 
@@ -125,14 +188,15 @@ class NeuronKVCache(DeviceBackend):
     name = "neuron"
 
     def __init__(self, kv_caches: dict, head_offset: int, *, runtime: NeuronRuntime,
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_heads: int | None = None, head_size: int | None = None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_heads: int | None = None, head_size: int | None = None,
+                 **facts):
         check_launch_env(runtime.env)
         check_runtime_ready(runtime)
         self.runtime = runtime
         self._kv_caches = kv_caches
         self._layout, self._regs, self.device_index = describe_neuron_caches(
             kv_caches, runtime, block_size=block_size, num_heads=num_heads, head_size=head_size,
-            head_offset=head_offset)
+            head_offset=head_offset, **facts)
 
     def layout(self) -> KVLayout:
         return self._layout

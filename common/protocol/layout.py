@@ -126,10 +126,19 @@ GEOMETRY_FIELDS = ("num_layers", "head_dim", "dtype", "dtype_size", "kv_planes",
 VALUE_FIELDS = ("cache_dtype", "kv_scales", "latent", "drafter")
 
 
+# The fix for a pair whose bytes mean different values (the same shape read as another format or scale).
+VALUE_FORMAT_FIX = ("serve P and D with one KV value format: the same --kv-cache-dtype and checkpoint on devices that "
+                    "store it alike (a device's own format follows ':', e.g. an FP8 range: Trainium2 e4m3 max240, "
+                    "Trainium3 e4m3fn max448, so P and D on one generation), or a bf16 KV cache (auto) on both")
+
+
 def geometry_difference(peer: KVLayout, local: KVLayout) -> str | None:
-    """Which geometry fields differ, as `name peer vs local` (None: the same), for a refusal that names them."""
+    """Which geometry fields differ, as `name peer vs local` (None: the same), for a refusal that names them, and
+    the fix where the value format differs."""
     diffs = [f"{f} {getattr(peer, f)} vs {getattr(local, f)}" for f in GEOMETRY_FIELDS
              if getattr(peer, f) != getattr(local, f)]
+    if (peer.cache_dtype, peer.kv_scales) != (local.cache_dtype, local.kv_scales):
+        diffs[-1] += f"; fix: {VALUE_FORMAT_FIX}"
     return ", ".join(diffs) or None
 
 

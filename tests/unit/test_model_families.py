@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvpush_common.plan.planner import plan_transfer
-from kvpush_common.protocol.layout import (KVLayout, LayoutError, check_pairable, contiguous_layout,
-                                           geometry_difference)
+from kvpush_common.protocol.layout import (VALUE_FORMAT_FIX, KVLayout, LayoutError, check_pairable,
+                                           contiguous_layout, geometry_difference)
 from kvpush_common.protocol.topology import local_heads, producers_for, routes
 from kvpush_common.protocol.wire import Codec, compat_hash
 from kvpush_common.testing.kvref import apply_plan, logical_view
@@ -42,7 +42,7 @@ def test_a_format_mismatch_names_both_values():
     geo = dict(num_layers=2, num_heads=2, head_dim=8, block_size=16, num_blocks=4, dtype="uint8", dtype_size=1)
     p = contiguous_layout(0, **geo, cache_dtype="fp8_e4m3", kv_scales="k=1.0,v=1.0")
     d = contiguous_layout(0, **geo, cache_dtype="fp8_e5m2", kv_scales="k=1.0,v=1.0")
-    assert geometry_difference(p, d) == "cache_dtype fp8_e4m3 vs fp8_e5m2"
+    assert geometry_difference(p, d) == f"cache_dtype fp8_e4m3 vs fp8_e5m2; fix: {VALUE_FORMAT_FIX}"
     with pytest.raises(LayoutError, match="cache_dtype: fp8_e4m3 vs fp8_e5m2"):
         check_pairable(p, d)
     check_pairable(p, contiguous_layout(1 << 20, **{**geo, "block_size": 32, "num_blocks": 2},

@@ -4,6 +4,7 @@ start-up checks, and every step's block ids pass strip_block_sentinels before th
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata, RecvOp, SendOp
@@ -38,12 +39,13 @@ class RecordingWorker:
         return out
 
 
-def connector(runtime):
+def connector(runtime, cache_dtype="auto", speculative_config=None):
     conn = object.__new__(KVPushNeuronConnector)  # the worker role without vLLM's process group
     conn.runtime_factory = lambda: runtime
     conn._vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 4, get_head_size=lambda: 8),
-        parallel_config=parallel_config(2), cache_config=SimpleNamespace(block_size=32))
+        parallel_config=parallel_config(2), cache_config=SimpleNamespace(block_size=32, cache_dtype=cache_dtype),
+        speculative_config=speculative_config, compilation_config=SimpleNamespace(static_forward_context={}))
     conn._worker = RecordingWorker()
     conn._connector_metadata = None
     return conn
@@ -56,8 +58,9 @@ def step(conn, meta, finished=()):
     return conn.get_transfer_results(set(finished))
 
 
-def kv(runtime):
-    return plugin_kv_caches(runtime, num_layers=2, num_heads=2, head_dim=8, num_blocks=NB, block_size=32)
+def kv(runtime, dtype="bfloat16", dtype_size=2):
+    return plugin_kv_caches(runtime, num_layers=2, num_heads=2, head_dim=8, num_blocks=NB, block_size=32,
+                            dtype=dtype, dtype_size=dtype_size)
 
 
 def test_make_backend_builds_the_neuron_backend_on_the_simulated_runtime():
@@ -132,3 +135,85 @@ def test_guard_remembers_a_finish_that_came_first():
     guard.filter(KVPushMetadata(sends=[SendOp("b", "t", 1, (5, -1, 6), 40)]))
     assert guard.settle(KVConnectorTransferResults(), {"a", "b"}).finished_sending == {"a", "b"}
     assert guard.settle(KVConnectorTransferResults(), set()).finished_sending == set()
+
+
+# ---- what the bytes mean: the layout of a Neuron cache, as the CUDA and CPU connectors describe theirs --------------
+
+FP8 = dict(dtype="float8_e4m3fn", dtype_size=1)  # the plugin's FP8 KV tensors (dtype_utils: torch.float8_e4m3fn)
+
+
+def fp8_layout(monkeypatch, clamp, env=None, host=None):
+    """The layout the Neuron connector describes for an fp8 KV cache where the plugin clamps to `clamp`."""
+    import kvpush_neuron.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "plugin_fp8_clamp_max", lambda: clamp)
+    rt = ready_sim_runtime()
+    return connector(rt, cache_dtype="fp8").make_backend(kv(rt, **FP8), 0).layout()
+
+
+def test_an_fp8_cache_is_told_apart_from_bf16_and_trn2_from_trn3(monkeypatch):
+    """vLLM's fp8 (= fp8_e4m3) KV cache is a float8_e4m3fn tensor on both generations, but the plugin writes
+    Trainium2's e4m3 (largest 240) on one and e4m3fn (largest 448) on the other: the layout names the range."""
+    rt = ready_sim_runtime()
+    bf16 = connector(rt).make_backend(kv(rt), 0).layout()
+    assert (bf16.cache_dtype, bf16.kv_scales, bf16.dtype) == ("auto", "", "bfloat16")
+    trn2, trn3 = fp8_layout(monkeypatch, 240.0), fp8_layout(monkeypatch, 448.0)
+    assert (trn2.cache_dtype, trn2.kv_scales, trn2.dtype) == ("fp8_e4m3:max240", "checkpoint", "float8_e4m3fn")
+    assert trn3.cache_dtype == "fp8_e4m3:max448" and trn3.dtype == trn2.dtype  # one torch dtype, two formats
+
+
+def test_a_trn3_producer_and_a_trn2_consumer_are_refused_at_the_handshake_naming_the_fix(monkeypatch):
+    from kvpush_common.endpoint.config import EndpointConfig
+    from kvpush_common.endpoint.consumer import ConsumerEndpoint
+    from kvpush_common.protocol.layout import VALUE_FORMAT_FIX
+
+    def endpoint(layout_clamp):
+        import kvpush_neuron.kv_cache as kv_cache
+
+        monkeypatch.setattr(kv_cache, "plugin_fp8_clamp_max", lambda: layout_clamp)
+        rt = ready_sim_runtime()
+        backend = connector(rt, cache_dtype="fp8_e4m3").make_backend(kv(rt, **FP8), 0)
+        return ConsumerEndpoint(EndpointConfig(engine_id=f"E{layout_clamp:g}", secret=b"k", tp_size=2,
+                                               total_kv_heads=4, model="m"), backend)
+
+    d_trn2, p_trn3, p_trn2 = endpoint(240.0), endpoint(448.0), endpoint(240.0)
+    try:
+        as_producer = lambda ep: msgspec.structs.replace(ep.local_hello(), role="producer")  # noqa: E731
+        reason = d_trn2.check_peer_hello(as_producer(p_trn3), "producer")
+        assert reason.startswith("compatibility hash mismatch: KV geometry differs (peer vs here: cache_dtype "
+                                 "fp8_e4m3:max448 vs fp8_e4m3:max240; fix: "), reason
+        assert VALUE_FORMAT_FIX in reason and "bf16 KV cache" in reason and "one generation" in reason
+        assert d_trn2.check_peer_hello(as_producer(p_trn2), "producer") is None  # one generation: served
+    finally:
+        for ep in (d_trn2, p_trn3, p_trn2):
+            ep.close()
+
+
+def test_an_fp8_cache_of_unknown_range_is_refused_at_start_up(monkeypatch, tmp_path):
+    import kvpush_neuron.kv_cache as kv_cache
+    from kvpush_neuron.efa import TrnHost
+    from kvpush_neuron.kv_cache import neuron_fp8_max
+
+    monkeypatch.setattr(kv_cache, "plugin_fp8_clamp_max", lambda: None)  # an installed plugin without FP8_CLAMP_MAX
+    monkeypatch.setattr(kv_cache, "TrnHost", lambda: TrnHost(product=tmp_path / "no-dmi"))
+    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    rt = ready_sim_runtime()
+    with pytest.raises(ValueError, match="FP8 range of this host's KV cache is unknown.*NEURON_PLATFORM_TARGET_OVERRIDE"
+                                         ".*--kv-cache-dtype auto"):
+        connector(rt, cache_dtype="fp8").make_backend(kv(rt, **FP8), 0)
+    # the generation, where the plugin's constant is absent: its platform override, else the DMI product name
+    dmi = tmp_path / "product_name"
+    dmi.write_text("trn3.48xlarge\n")
+    assert neuron_fp8_max({}, TrnHost(product=dmi)) == 448.0
+    assert neuron_fp8_max({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn2"}, TrnHost(product=dmi)) == 240.0
+    monkeypatch.setattr(kv_cache, "plugin_fp8_clamp_max", lambda: 240.0)  # the plugin's own value comes first
+    assert neuron_fp8_max({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn3"}, TrnHost(product=dmi)) == 240.0
+
+
+def test_a_drafters_layers_are_named_in_the_layout():
+    """A drafter of the target's KV shape joins its group (docs/neuron.md fact 5): its name travels in the layout, so
+    a decode running another drafter is refused at the handshake, as on CUDA and CPU."""
+    rt = ready_sim_runtime()
+    spec = SimpleNamespace(method="eagle", draft_model_config=SimpleNamespace(model="/models/drafter"))
+    assert connector(rt, speculative_config=spec).make_backend(kv(rt), 0).layout().drafter == "eagle:/models/drafter"
+    assert connector(rt).make_backend(kv(rt), 0).layout().drafter == ""
