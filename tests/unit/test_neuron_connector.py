@@ -217,3 +217,25 @@ def test_a_drafters_layers_are_named_in_the_layout():
     spec = SimpleNamespace(method="eagle", draft_model_config=SimpleNamespace(model="/models/drafter"))
     assert connector(rt, speculative_config=spec).make_backend(kv(rt), 0).layout().drafter == "eagle:/models/drafter"
     assert connector(rt).make_backend(kv(rt), 0).layout().drafter == ""
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_the_neuron_connectors_dp_engines_take_disjoint_side_channels(role):
+    """The plugin's tutorials run data parallelism (DP8 decode): each DP engine of KVPushNeuronConnector starts its
+    side channel at port + dp_index * TP, as the CUDA and CPU connectors do (common/vllm/parallel.py)."""
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    ports = []
+    for index in range(2):
+        pc = ParallelConfig(tensor_parallel_size=4, data_parallel_size=2, data_parallel_rank=index,
+                            data_parallel_external_lb=True)
+        kt = SimpleNamespace(kv_role=role, engine_id=f"e_dp{index}", kv_connector="KVPushNeuronConnector",
+                             kv_connector_extra_config={"port": 5700})
+        cfg = SimpleNamespace(kv_transfer_config=kt, parallel_config=pc, speculative_config=None,
+                              model_config=SimpleNamespace(served_model_name="m", model="m", use_mla=False,
+                                                           get_total_num_kv_heads=lambda: 8),
+                              cache_config=SimpleNamespace(block_size=32, enable_prefix_caching=False))
+        settings = KVPushNeuronConnector(cfg, KVConnectorRole.SCHEDULER, None).settings
+        ports.append([settings.endpoint_config(r).base_port + r for r in range(4)])
+    assert ports == [[5700, 5701, 5702, 5703], [5704, 5705, 5706, 5707]]
