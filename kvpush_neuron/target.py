@@ -99,14 +99,15 @@ def neuron_devices(dev: Path = Path("/dev")) -> list[str]:
     return sorted(p.name for p in dev.glob("neuron*") if p.name[6:].isdigit())
 
 
-def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path = Path("/dev"),
+def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, host: TrnHost | None = None,
                   sysfs: Path | None = None, fabric_version="probe", fabric_symbol="probe") -> list[Check]:
     """Every check of a trn host for kvpush, each failure with its fix.  NIXL is the plugin's own (its pin)."""
     extra = dict((plan or {}).get("extra") or {})
     same_host = bool(extra.get("same_host", True))
     checks = [doctor.check_python((3, 11), "the vLLM Neuron plugin (0.2x, SDK >= 2.31)")]
 
-    devices = neuron_devices(dev)
+    host = host or TrnHost()
+    devices = neuron_devices(host.dev)
     checks.append(Check("neuron-devices", True, f"{len(devices)} Neuron devices ({', '.join(devices[:4])}...)")
                   if devices else
                   Check("neuron-devices", False, "none", (
@@ -130,7 +131,7 @@ def neuron_checks(env: Mapping[str, str], plan: dict | None = None, *, dev: Path
     # the rails are the efa-affinity check's (one source: efa.plugin_rails), not repeated under efa
     preflight = neuron_efa_preflight(env, same_host=same_host, fabric_version=fabric_version,
                                      fabric_symbol=fabric_symbol, rails=False, **({"sysfs": sysfs} if sysfs else {}))
-    checks.append(efa_affinity_check(env, TrnHost(dev=dev)))
+    checks.append(efa_affinity_check(env, host))
     checks.append(doctor.from_problems(
         "efa", preflight,
         f"EFA devices, provider env and libfabric ready ({'same-host' if same_host else 'two-host'} P/D; each "

@@ -13,6 +13,7 @@ from kvpush_common.testing import libfabric
 
 from kvpush_common.ops import cli, deploy, doctor
 from kvpush_cuda.target import cuda_checks
+from kvpush_neuron.fake_host import fake_trn_host
 from kvpush_neuron.target import neuron_checks
 
 HERE_HAS_NEURON = any(Path("/dev").glob("neuron*"))
@@ -92,15 +93,16 @@ def no_plugin_load(monkeypatch):
 def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):
     plan = plan_json(capsys, "neuron", "--role", "decode", "--model", "m")
     env = deploy.LaunchPlan.from_dict(plan).environment({})
-    dev, sysfs = fake_dev(tmp_path, "neuron", 16), fake_sysfs(tmp_path, 16)
-    checks = by_name(neuron_checks(env, plan, dev=dev, sysfs=sysfs, fabric_version=(2, 7)))
+    host, sysfs = fake_trn_host(tmp_path)  # trn2.48xlarge: 16 devices, each chip's EFA where the plugin's table says
+    checks = by_name(neuron_checks(env, plan, host=host, sysfs=sysfs, fabric_version=(2, 7)))
     assert checks["neuron-devices"].ok and "16 Neuron devices" in checks["neuron-devices"].detail
     assert checks["neuron-env"].ok and checks["efa"].ok, (checks["neuron-env"], checks["efa"])
+    assert checks["efa-affinity"].ok and checks["efa-affinity"].detail == "trn2: cores:EFA 32-35:rdmap152s0 36-39:rdmap131s0"
     assert checks["python"].ok == (sys.version_info >= (3, 11))
 
     # the mistakes a first launch makes, each named with its fix
     bad = {**env, "NEURON_VISIBLE_DEVICES": "", "NEURON_RT_VISIBLE_CORES": "32-39", "FI_EFA_ENABLE_SHM_TRANSFER": "1"}
-    checks = by_name(neuron_checks(bad, plan, dev=dev, sysfs=fake_sysfs(tmp_path / "few", 4), fabric_version=(2, 1)))
+    checks = by_name(neuron_checks(bad, plan, host=host, sysfs=fake_sysfs(tmp_path / "few", 4), fabric_version=(2, 1)))
     text = "\n".join(checks["neuron-env"].problems)
     assert "NEURON_RT_VISIBLE_CORES=32-39 is set" in text and "worker refuses it" in text
     assert "NEURON_RT_MAP_HBM" not in text  # the plugin's worker sets it itself
@@ -108,10 +110,10 @@ def test_neuron_checks_on_a_faked_trn2_host(capsys, tmp_path, no_plugin_load):
     assert "FI_EFA_ENABLE_SHM_TRANSFER is not 0" in efa and "FABRIC_1.10" in efa
     assert not any(p.startswith("NEURON_") for p in checks["efa"].problems)  # reported once, under neuron-env
     two_host = {**plan, "extra": {**plan["extra"], "same_host": False}}
-    checks = by_name(neuron_checks({**env, "FI_EFA_ENABLE_SHM_TRANSFER": "1"}, two_host, dev=dev, sysfs=sysfs,
+    checks = by_name(neuron_checks({**env, "FI_EFA_ENABLE_SHM_TRANSFER": "1"}, two_host, host=host, sysfs=sysfs,
                                    fabric_version=(2, 7)))
     assert checks["efa"].ok  # the shm rule is for P and D on one host only
-    few_chips = by_name(neuron_checks(env, plan, dev=fake_dev(tmp_path / "small", "neuron", 4), sysfs=sysfs,
+    few_chips = by_name(neuron_checks(env, plan, host=fake_trn_host(tmp_path / "small", devices=4)[0], sysfs=sysfs,
                                       fabric_version=(2, 7)))
     assert "beyond the 16 logical cores" in "\n".join(few_chips["neuron-env"].problems)  # decode wants 32-39
 

@@ -15,6 +15,7 @@ from kvpush_common.transport import fabric_info
 from kvpush_common.transport.efa import nixl_fabric_symbol, plugin_fabric_symbol
 from kvpush_neuron import target
 from kvpush_neuron.efa import neuron_efa_preflight
+from kvpush_neuron.fake_host import fake_trn_host
 from kvpush_neuron.target import neuron_checks, plugin_vllm_check
 
 # The Python stack of each Neuron SDK release, as its release content and component notes name it
@@ -65,17 +66,8 @@ def trn_host(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "check_fabric", lambda env, hmem_for, probe=None: doctor.Check("libfabric", True, "efa"))
     monkeypatch.setattr(doctor, "check_nixl", lambda env, backends, **kw: [
         doctor.Check(f"nixl-plugin-{b}", True, "stub") for b in backends])  # loaded for real in its own test below
-    dev = tmp_path / "dev"
-    dev.mkdir()
-    for i in range(16):
-        (dev / f"neuron{i}").touch()
-    sysfs = tmp_path / "infiniband"
-    drivers = tmp_path / "drivers" / "efa"
-    drivers.mkdir(parents=True)
-    for i in range(16):
-        (sysfs / f"rdmap{i:02d}s0" / "device").mkdir(parents=True)
-        (sysfs / f"rdmap{i:02d}s0" / "device" / "driver").symlink_to(drivers)
-    return lambda env: {c.name: c for c in neuron_checks(env, None, dev=dev, sysfs=sysfs, fabric_version=SDK_LIBFABRIC,
+    host, sysfs = fake_trn_host(tmp_path / "host")  # each chip's EFA at the plugin's PCI address
+    return lambda env: {c.name: c for c in neuron_checks(env, None, host=host, sysfs=sysfs, fabric_version=SDK_LIBFABRIC,
                                                          fabric_symbol=sdk_plugin_symbol())}
 
 
@@ -89,9 +81,10 @@ def sdk_plugin_symbol() -> str:
 @pytest.mark.parametrize("release", SDK_STACKS)
 def test_a_correct_host_of_each_sdk_release_passes(monkeypatch, tmp_path, trn_host, release):
     monkeypatch.syspath_prepend(str(fake_stack(tmp_path / "site", SDK_STACKS[release])))
-    checks = trn_host(TUTORIAL_ENV)
+    checks = trn_host({**TUTORIAL_ENV, "NEURON_VISIBLE_DEVICES": "32-63"})  # the tutorial's decode, DP4 x TP8
     bad = [c for c in checks.values() if not c.ok and c.name != "python"]  # python: this machine's
     assert bad == [], bad
+    assert checks["efa-affinity"].detail.startswith("trn2: cores:EFA 32-35:rdmap152s0 ")  # the plugin's table
     assert "`neuron` device" in checks["neuron-torch"].detail
     if release in ("2.32", "2.33"):
         assert f"Neuron SDK {release}" in checks["vllm-neuron-pairing"].detail
