@@ -29,6 +29,7 @@ from typing import Callable
 
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.vllm.connector import KVPushConnector
+from kvpush_common.vllm.kv_groups import window_block_missing
 from kvpush_common.vllm.metadata import AbortOp, KVPushMetadata
 
 from .kv_cache import DEFAULT_BLOCK_SIZE, NULL_BLOCK, PLUGIN_PAD, BlockIdError
@@ -100,19 +101,6 @@ class BlockIdGuard:
             if not self._refused_sends:
                 self._finished.clear()
         return results
-
-
-def window_block_missing(window: int, block_size: int, num_prompt_tokens: int, num_computed_tokens: int) -> str | None:
-    """A sliding-window decode computes the prompt itself when the prefill instance has freed a block the decode's
-    recompute of the prompt's last token reads (`kv_groups.window_block_freed_on_prefill`: one prompt length in
-    block_size); received, that block would be vLLM's null block on both sides."""
-    from kvpush_common.vllm.kv_groups import window_block_freed_on_prefill
-
-    if num_computed_tokens + window > num_prompt_tokens or not window_block_freed_on_prefill(
-            num_prompt_tokens, window, block_size):
-        return None
-    return (f"a {num_prompt_tokens}-token prompt in a {window}-token sliding window: the prefill instance freed the "
-            f"block of token {num_prompt_tokens - window}, which the decode's recompute of the last token reads")
 
 
 def neuron_settings_problems(settings, kv_cache_config=None) -> list[str]:

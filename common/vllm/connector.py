@@ -35,7 +35,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._load_errors = compat.LoadErrors()
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.settings)
+            self._sched = SchedulerSide(self.settings, kv_cache_config)
         else:
             import dataclasses
 

@@ -18,6 +18,12 @@ from __future__ import annotations
 HMA_FIX = ("start vLLM without --no-disable-hybrid-kv-cache-manager: kvpush is not a SupportsHMA connector, so vLLM "
            "then keeps every layer in one group (sliding-window layers keep all their blocks) and kvpush moves them")
 
+# vLLM builds a Mamba hybrid's state groups with its hybrid manager off as well (`unify_hybrid_kv_cache_specs` turns
+# only sliding-window and chunked-local specs into full attention, vllm/v1/core/kv_cache_utils.py, 0.32), so dropping
+# a flag does not help: the fix is another connector or no disaggregation
+MAMBA_FIX = ("serve this model with a connector that moves SSM state under vLLM's hybrid KV cache manager (vLLM's "
+             "NixlConnector), or on one instance without --kv-transfer-config")
+
 
 def _spec_name(spec) -> str:
     window = getattr(spec, "sliding_window", None)
@@ -40,6 +46,11 @@ def kv_group_problem(kv_cache_config, drafter: str = "") -> str | None:
     """Why kvpush cannot move this KVCacheConfig's KV (None: one group of one KV shape, or not known yet).
     `drafter` (`drafter_name`) names the speculative config's drafter in the refusal."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    state = [g for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+    if state:
+        return (f"{_layers(n for g in state for n in g.layer_names)} keep a recurrent state (MambaSpec: Mamba / SSM "
+                f"or linear-attention layers, e.g. Qwen3-Next, Nemotron-H, Jamba), which kvpush does not move: "
+                f"{MAMBA_FIX}")
     if len(groups) > 1:
         named = "; ".join(f"group {i}: {_spec_name(g.kv_cache_spec)} for {_layers(g.layer_names)}"
                           for i, g in enumerate(groups))
@@ -90,6 +101,32 @@ def window_block_freed_on_prefill(num_tokens: int, window: int, block_size: int)
     bounds fall in different blocks when N - window + 1 is a positive block multiple: with a window of whole blocks,
     when N mod block_size is block_size - 1."""
     return num_tokens - window + 1 > 0 and (num_tokens - window + 1) % block_size == 0
+
+
+def window_registration(num_tokens: int, first_token: int, block_ids: tuple, window: int,
+                        block_size: int) -> tuple[int, tuple]:
+    """(first_token, block_ids) a sliding-window decode registers for a `num_tokens` prompt: the blocks vLLM allocated
+    it, which are the request's last blocks.  vLLM pads the blocks wholly before token N - window + 1 with its null
+    block (`SingleTypeKVCacheManager.add_local_computed_blocks` with `SlidingWindowManager.get_num_skipped_tokens`,
+    vllm/v1/core/single_type_kv_cache_manager.py, 0.29 and 0.32) and hands the connector the rest
+    (`KVCacheBlocks.get_unhashed_block_ids_all_groups` leaves null blocks out; 0.33 and 0.34 trim the null head
+    first, the same ids), so the registration starts at the first of them.  The prefill instance frees the same
+    blocks before `request_finished` (`Scheduler._connector_finished` -> `remove_skipped_blocks`, same bound), so
+    its list holds real blocks from there on."""
+    held_from = (-(-num_tokens // block_size) - len(block_ids)) * block_size
+    return max(first_token, held_from), tuple(block_ids)
+
+
+def window_block_missing(window: int, block_size: int, num_prompt_tokens: int, num_computed_tokens: int) -> str | None:
+    """Why a sliding-window decode computes the prompt itself (None: it receives it): after a KV load vLLM recomputes
+    the prompt's last token (`Scheduler._update_waiting_for_remote_kv`), which reads tokens [N - window, N - 1];
+    where vLLM's bound N - window + 1 (`window_block_freed_on_prefill`) falls at a block start, the block of token
+    N - window is vLLM's null block on both instances, and the recompute would read it."""
+    if num_computed_tokens + window > num_prompt_tokens or not window_block_freed_on_prefill(
+            num_prompt_tokens, window, block_size):
+        return None
+    return (f"a {num_prompt_tokens}-token prompt in a {window}-token sliding window: vLLM freed the block of token "
+            f"{num_prompt_tokens - window}, which the decode's recompute of the last token reads")
 
 
 # vLLM's CacheConfig: "fp8 (=fp8_e4m3)" on CUDA (vllm/config/cache.py, 0.32): one name for one format

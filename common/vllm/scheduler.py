@@ -6,6 +6,7 @@ blocks stay allocated until the worker side reports the transfer ended.  No NIXL
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from typing import Any, Callable
@@ -31,8 +32,15 @@ class SchedulerSide:
     # (num_prompt_tokens, num_computed_tokens); None: receive it
     computes_here: Callable[[int, int], str | None] | None = None
 
-    def __init__(self, settings: ConnectorSettings):
+    def __init__(self, settings: ConnectorSettings, kv_cache_config=None):
+        from kvpush_common.vllm.kv_groups import sliding_window_of, window_block_missing
+
         self.settings = settings
+        # (window, block_size) of a sliding-window-only model: the decode registers the in-window blocks vLLM
+        # allocated, and computes the prompt itself where vLLM nulled a block its recompute reads (kv_groups)
+        self.window = sliding_window_of(kv_cache_config)
+        if self.window:
+            self.computes_here = functools.partial(window_block_missing, *self.window)
         self._meta = KVPushMetadata()
         self._awaiting: dict[str, DecodeLeg] = {}  # consumer: registered, not yet finished_recving
         self._handled: set[str] = set()  # consumer: registered once; a later pass (recompute) loads nothing
@@ -133,6 +141,10 @@ class SchedulerSide:
             return
         block_ids = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
         first = request.num_prompt_tokens - num_external_tokens  # local prefix-cache hit, block aligned
+        if self.window:
+            from kvpush_common.vllm.kv_groups import window_registration
+
+            first, block_ids = window_registration(request.num_prompt_tokens, first, block_ids, *self.window)
         self._awaiting[request.request_id] = leg
         self._track_recv_blocks(request.request_id, block_ids)
         self._handled.add(request.request_id)
