@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_order
-from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 from .device import CudaDevice, sliced_registrations
 from .kv_forms import describe_form
@@ -58,7 +57,7 @@ def describe_cuda_caches(kv_caches: dict, *, block_size: int, num_heads: int, he
     return layout, sorted(allocations.items()), device
 
 
-class CudaKVCache(TensorStagingMixin, CudaDevice):
+class CudaKVCache(CudaDevice):
     """vLLM's CUDA KV caches as a kvpush DeviceBackend (VRAM, registrations of at most 4 GiB, except a
     cross-layer cache with `whole_interleaved`, which is one registration)."""
 

@@ -34,17 +34,3 @@ class DeviceBackend(ABC):
     def kv_written(self, token: object) -> bool:
         """Worker thread: has the work behind `token` finished on the device?"""
         return True
-
-    # ---- staged transfers (optional; see staging.py) -------------------------------------------------
-    def staging_buffer(self, nbytes: int) -> tuple[int, np.ndarray] | None:
-        """Allocate `nbytes` of staging memory beside the KV: (address, registration rows), or None."""
-        return None
-
-    def gather(self, block_ids: np.ndarray, addr: int) -> None:
-        """Worker thread: copy whole blocks of every region to staging memory at `addr` as
-        [regions, len(block_ids), unit]; return once the copy has finished."""
-        raise NotImplementedError
-
-    def scatter(self, block_ids: np.ndarray, addr: int) -> None:
-        """Worker thread: the inverse of gather, into these blocks; return once finished."""
-        raise NotImplementedError

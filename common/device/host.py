@@ -6,7 +6,6 @@ import numpy as np
 
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.protocol.layout import BlockOrder, KVLayout, contiguous_layout, slab_bytes
-from kvpush_common.plan.staging import host_gather, host_planes, host_scatter
 
 _PAGE = 4096
 
@@ -50,24 +49,6 @@ class HostBackend(DeviceBackend):
 
     def write_bytes(self, data: np.ndarray, offset: int = 0) -> None:
         self.buffer[offset:offset + data.size] = data
-
-    # ---- staged transfers ----------------------------------------------------------------------------
-    def staging_buffer(self, nbytes: int):
-        raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)
-        start = (-raw.ctypes.data) % _PAGE
-        self._staging_raw, self.staging = raw, raw[start:start + nbytes]
-        self._planes = host_planes(self.buffer, self.buffer.ctypes.data, self._layout)
-        addr = self.staging.ctypes.data
-        return addr, np.array([[addr, nbytes, 0]], dtype=np.uint64)
-
-    def _staging_at(self, addr: int) -> np.ndarray:
-        return self.staging[addr - self.staging.ctypes.data:]
-
-    def gather(self, block_ids, addr: int) -> None:
-        host_gather(self._planes, np.asarray(block_ids), self._staging_at(addr))
-
-    def scatter(self, block_ids, addr: int) -> None:
-        host_scatter(self._planes, np.asarray(block_ids), self._staging_at(addr))
 
     def block_view(self, region: int, block_id: int) -> np.ndarray:
         """The bytes of one block of one region (for tests and poisoning)."""

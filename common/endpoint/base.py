@@ -21,14 +21,12 @@ from typing import Callable
 from kvpush_common.endpoint.config import EndpointConfig
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.endpoint.events import EventLog
-from kvpush_common.protocol.layout import KVLayout, LayoutError, geometry_difference
+from kvpush_common.protocol.layout import KVLayout, geometry_difference
 from kvpush_common.endpoint.metrics import EndpointStats
 from kvpush_common.endpoint.transfers import Settled
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.transport.nixl import NixlTransport, Transport, TransportError
-from kvpush_common.plan.planner import PlanError
-from kvpush_common.plan.staging import SlotPool, blocks_per_chunk
-from kvpush_common.protocol.wire import Codec, Hello, Staging, Message, WireError, compat_hash, layout_hash_facts
+from kvpush_common.protocol.wire import Codec, Hello, Message, WireError, compat_hash, layout_hash_facts
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +40,6 @@ class Peer:
     layout: KVLayout
     write_timeout_s: float = 30.0  # the peer's bound on one transfer (Hello.write_timeout_ms)
     incarnation: str = ""  # digest of the peer's NIXL agent metadata: a restarted process has a new one
-    staging: Staging | None = None  # the peer's staging offer (a consumer's: where we may WRITE chunks)
 
 
 TransportFactory = Callable[[EndpointConfig, bool], Transport]
@@ -52,9 +49,9 @@ _PR_SET_TIMERSLACK = 29
 
 def set_timer_slack(ns: int) -> bool:
     """How late the kernel may end the calling thread's timed waits (Linux `prctl(PR_SET_TIMERSLACK)`, per thread;
-    0: the thread's default).  The default slack of 50 us is added to every timed wait: a 0.05 ms `Event.wait` took
-    0.14 ms (p50, the CI machine) and 0.09 ms with 1 us (scripts/bench/probes/timer_slack.py), so the worker's write and wire polls were half as frequent
-    as configured.  Best effort: False where the call is not there."""
+    0: the thread's default).  The default slack (50 us) may be added to every timed wait, longer than the worker's
+    write poll itself, so its write and wire polls would come far less often than configured
+    (scripts/bench/probes/timer_slack.py measures the waits).  Best effort: False where the call is not there."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -90,7 +87,6 @@ class Endpoint:
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self._agent_md = b""
-        self.staging: SlotPool | None = None  # our staging pool (push with staging_bytes > 0)
         self._peers: dict[tuple[str, int], Peer] = {}
         self._last_seen: dict[tuple[str, int], float] = {}  # peer -> last message from it (or to it)
         # peer -> why NIXL could not reach it, since the last message from it or send to it (liveness)
@@ -129,23 +125,6 @@ class Endpoint:
     def _after_start(self) -> None:
         pass
 
-    def _make_staging(self) -> SlotPool | None:
-        """Worker thread, at start: allocate and register the staging pool if configured and possible."""
-        if not self.cfg.staging_bytes or self.cfg.mode != "push":
-            return None
-        try:
-            blocks_per_chunk(self.layout, self.cfg.staging_chunk_bytes)
-            got = self.backend.staging_buffer(self.cfg.staging_bytes)  # may refuse a layout it cannot view
-        except (PlanError, LayoutError) as e:
-            log.warning("staged transfers off: %s", e)
-            return None
-        if got is None:
-            log.warning("staged transfers off: the %s backend has no staging buffers", self.backend.name)
-            return None
-        addr, regs = got
-        self.transport.register(regs, self.layout.mem_type)
-        return SlotPool(addr, self.cfg.staging_bytes, self.cfg.staging_chunk_bytes, int(regs[0][2]))
-
     def _before_close(self) -> None:
         pass
 
@@ -157,7 +136,6 @@ class Endpoint:
             progress = self.cfg.transport.progress_thread_for(self.role, self.cfg.mode)
             self.transport = self._transport_factory(self.cfg, progress)
             self.transport.register(self.backend.registration_regions(), self.layout.mem_type)
-            self.staging = self._make_staging()
             self._agent_md = self.transport.metadata()
         except BaseException as e:  # reported to start()'s caller
             self._start_error = e
@@ -221,11 +199,11 @@ class Endpoint:
             except queue.Empty:
                 return items
 
-    def local_hello(self, staging: Staging | None = None) -> Hello:
+    def local_hello(self) -> Hello:
         return Hello(engine_id=self.cfg.engine_id, role=self.role, rank=self.cfg.rank, tp_size=self.cfg.tp_size,
                      mode=self.cfg.mode, compat_hash=self.compat, total_kv_heads=self.cfg.total_kv_heads,
                      agent_name=self.cfg.agent_name, agent_metadata=self._agent_md, layout=self.layout,
-                     write_timeout_ms=int(self.cfg.write_timeout_s * 1000), staging=staging)
+                     write_timeout_ms=int(self.cfg.write_timeout_s * 1000))
 
     def check_peer_hello(self, hello: Hello, want_role: str) -> str | None:
         """Reason to refuse a peer, or None."""
@@ -261,7 +239,7 @@ class Endpoint:
         if agent != hello.agent_name:
             raise TransportError(f"peer agent metadata names {agent!r}, Hello claims {hello.agent_name!r}")
         peer = Peer(hello.engine_id, hello.rank, hello.tp_size, agent, hello.layout, hello.write_timeout_ms / 1000.0,
-                    incarnation_of(hello), hello.staging)
+                    incarnation_of(hello))
         self._peers[(hello.engine_id, hello.rank)] = peer
         self._last_seen[(hello.engine_id, hello.rank)] = self.clock()
         return peer

@@ -7,6 +7,25 @@ from typing import Literal
 
 from kvpush_common.transport.nixl import TransportConfig
 
+# Settings kvpush once read and no longer does, with why: a config that still names one is refused, never run
+# as if the setting were there (here for EndpointConfig's callers, and kv_connector_extra_config's `tuning`)
+REMOVED_SETTINGS = {
+    **{name: "staged transfers lost to the plain push end to end in vLLM (docs/benchmarks/README.md)"
+       for name in ("staging_bytes", "staging_chunk_bytes", "staging_min_descs", "staging_partitions")},
+    "progress_thread": "NIXL's progress thread follows the backend, off over UCX and on LIBFABRIC for the "
+                       "side written into; forcing it was no faster",
+    "handshake_workers": "a consumer runs a fixed 4 handshakes at once",
+    "prepped_lists": "prepped descriptor lists are used wherever both sides' block geometry allows them",
+}
+
+
+def removed_setting_error(names, where: str) -> ValueError | None:
+    """The error for settings in `names` that were removed (None when there are none); `where` names the config."""
+    removed = sorted(n for n in names if n in REMOVED_SETTINGS)
+    if not removed:
+        return None
+    return ValueError("; ".join(f"{where}{n} was removed ({REMOVED_SETTINGS[n]}); delete it" for n in removed))
+
 
 @dataclass(frozen=True)
 class EndpointConfig:
@@ -26,32 +45,28 @@ class EndpointConfig:
     transfer_timeout_s: float = 120.0  # consumer gives up on a request's KV after this long
     heartbeat_s: float = 5.0
     handshake_timeout_s: float = 5.0
-    handshake_workers: int = 4  # concurrent handshakes: a slow peer never blocks the others
     tombstone_s: float = 600.0
     fence_grace_s: float = 5.0  # allowance for a control message still in flight
-    prepped_lists: bool = True  # same block geometry on both sides: post from per-peer prepped lists
     peer_idle_s: float = 600.0  # forget a peer silent this long with no live work (a restart under a new id)
-    # staged transfers (push, whole-block routes): a registered pool of this many bytes, 0 = off
-    staging_bytes: int = 0
-    staging_chunk_bytes: int = 64 << 20  # one gather / WRITE / scatter unit
-    # stage when the direct plan would post at least this many descriptors: a direct WRITE pays a few us per
-    # non-contiguous descriptor, staging about a millisecond per half GiB gathered
-    staging_min_descs: int = 320
-    staging_partitions: int = 4  # a consumer lends each producer rank 1/N of its pool (N producer ranks at most)
     poll_s: float = 0.001  # worker poll period while work is outstanding
     # the producer's period while one of its WRITEs is on the wire: NIXL completes it, and sends the consumer
     # its notification, only from our progress calls, so this bounds what completion waits for after the bytes
-    # landed (a 0.1 ms copy over cuda_ipc is seen done within about one period).  Short-lived (a WRITE lasts
-    # 0.1-80 ms), so it can be short.
+    # landed.  It holds only while a WRITE is on the wire, so it can be short.
     write_poll_s: float = 0.00005
     # the consumer's poll while any key waits for its bytes (the whole prefill) when the engine does not step:
     # each engine step wakes the worker then (`engine_step`), so WriteDone is seen once per step, as vLLM's own
-    # decode sees its notifications, not by a 0.2 ms poll waking the worker (and its GIL) ~35 times a decode step
+    # decode sees its notifications, not by a short poll waking the worker (and its GIL) many times a decode step
     wire_poll_s: float = 0.01
     idle_poll_s: float = 0.01  # and while idle (notifications still have to be drained)
-    # the worker thread's timer slack (Linux): how late the kernel may end its timed waits.  Its default, 50 us,
-    # nearly triples a 0.05 ms poll's sleep; 0 leaves the kernel's default
+    # the worker thread's timer slack (Linux): how late the kernel may end its timed waits.  Its default (50 us) is
+    # longer than the write poll itself, so short polls would sleep far longer than set; 0 leaves the kernel's default
     timer_slack_s: float = 1e-6
+
+    def __new__(cls, *args, **kwargs):
+        err = removed_setting_error(kwargs, "EndpointConfig.")
+        if err is not None:
+            raise err
+        return super().__new__(cls)
 
     @property
     def agent_name(self) -> str:

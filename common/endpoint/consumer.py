@@ -5,18 +5,16 @@ Engine thread: `expect`, `abort`, `take_finished` only enqueue or drain.  Handsh
 thread pool (ZMQ only) so one slow producer never delays the others (`consumer_handshake.py`); the worker
 thread owns NIXL.
 
-This module is the core and the whole-push path (a producer rank's WRITE lands in our blocks, its WriteDone
-counts it done).  The other strategies are mixed in, each in its own module: staged pushes
-(`consumer_staged.py`: lent staging partitions, ChunkWritten scattered) and pull mode (`consumer_pull.py`: the
-registration is answered with a ReadGrant naming the source blocks; the worker thread plans and posts the READ,
-its ReadResult riding on it to the producer, and polls it).  `_on_msg` is where they branch.
+This module is the core and the push path (a producer rank's WRITE lands in our blocks, its WriteDone counts it
+done).  Pull mode is mixed in from its own module (`consumer_pull.py`: the registration is answered with a
+ReadGrant naming the source blocks; the worker thread plans and posts the READ, its ReadResult riding on it to the
+producer, and polls it).  `_on_msg` is where they branch.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -24,7 +22,6 @@ from kvpush_common.state.completion import Completion, Received, SendRevoke
 from kvpush_common.endpoint.base import Endpoint, Peer
 from kvpush_common.endpoint.consumer_handshake import ProducerHandshakes
 from kvpush_common.endpoint.consumer_pull import PullReads, _Read
-from kvpush_common.endpoint.consumer_staged import StagedChunks
 from kvpush_common.endpoint.handshake import handshake_codec
 from kvpush_common.endpoint.liveness import ProducerLiveness
 from kvpush_common.endpoint.moves import AddressMoves
@@ -33,20 +30,22 @@ from kvpush_common.endpoint.inbox import (Decline, Expect, HandshakeDone, Handsh
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.protocol.topology import producers_for
-from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, ChunkWritten, Heartbeat, KeyRef, ReadGrant,
-                                         Register, Revoke, RevokeAck, Unneeded, WriteDone, WriteFailed)
+from kvpush_common.protocol.wire import (MAX_BLOCK_IDS, MAX_HEARTBEAT_KEYS, Heartbeat, KeyRef, ReadGrant, Register,
+                                         Revoke, RevokeAck, Unneeded, WriteDone, WriteFailed)
 
 log = logging.getLogger(__name__)
 
+HANDSHAKE_WORKERS = 4  # concurrent handshakes: a slow producer rank never blocks the others
 
-class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullReads, AddressMoves, Endpoint):
+
+class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, PullReads, AddressMoves, Endpoint):
     role = "consumer"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.completion = Completion(transfer_timeout_s=self.cfg.transfer_timeout_s,
                                      fence_wait_s=self.cfg.fence_wait_s, tombstone_s=self.cfg.tombstone_s)
-        self._pool = ThreadPoolExecutor(max_workers=self.cfg.handshake_workers,
+        self._pool = ThreadPoolExecutor(max_workers=HANDSHAKE_WORKERS,
                                         thread_name_prefix=f"kvpush-hs-{self.cfg.rank}")
         self._connecting: dict[tuple[str, int], list[Expect | Decline]] = {}  # producer rank -> waiting requests
         self._hello_codec = handshake_codec(self.cfg.secret)
@@ -57,13 +56,6 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
         self._suspect: set[tuple[str, int]] = set()  # producer ranks to handshake again before the next use
         self._addr: dict[tuple[str, int], tuple[str, int]] = {}  # producer rank -> side channel it answered on
         self._probing: set[tuple[str, int]] = set()  # liveness.ProducerLiveness: side-channel probes under way
-        # consumer_staged.StagedChunks:
-        self._partitions: dict[tuple[str, int], int] = {}  # producer rank -> staging partition lent to it
-        self._partition_lock = threading.Lock()  # handshakes run on pool threads
-        self._chunks: dict[tuple[TransferKey, tuple[str, int]], set[int]] = {}  # staged chunk indices scattered
-        # every ChunkWritten acted on, most recent last (bounded): a repeat is dropped, never scattered or freed
-        # again, since by then its slot may hold another chunk
-        self._chunks_seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._waiting = False  # a key waits for bytes (the worker's last step said): the engine's step wakes it
         self._moved = collections.OrderedDict()  # moves.AddressMoves: (old engine, host, port) -> who is there now
 
@@ -90,7 +82,7 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck, ReadGrant, ChunkWritten)):
+        if isinstance(msg, (WriteDone, WriteFailed, RevokeAck, ReadGrant)):
             return (msg.producer_engine, msg.producer_rank)
         return None
 
@@ -118,8 +110,8 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
 
     def _poll_period(self, busy: bool) -> float:
         """While a key waits for bytes its WriteDone is fetched once per engine step (`engine_step` wakes the
-        worker), as vLLM's own decode does; `wire_poll_s` bounds the wait when the engine does not step.  A 0.2 ms
-        poll instead woke the worker, and took its GIL, some 35 times per decode step beside the engine thread."""
+        worker), as vLLM's own decode does; `wire_poll_s` bounds the wait when the engine does not step.  A short
+        poll instead woke the worker, and took its GIL, many times per decode step beside the engine thread."""
         if busy:
             return self.cfg.wire_poll_s
         return super()._poll_period(busy)
@@ -148,9 +140,8 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float) -> list:
-        """The one place the strategies branch: a whole push ends with WriteDone, a staged one with its last
-        ChunkWritten (`consumer_staged`); a pull's ReadGrant posts our READ (`consumer_pull`), which ends once
-        `_poll_reads` sees it settle."""
+        """The one place the strategies branch: a push ends with WriteDone; a pull's ReadGrant posts our READ
+        (`consumer_pull`), which ends once `_poll_reads` sees it settle."""
         key = TransferKey(msg.transfer_id, msg.attempt)
         prod = (peer.engine_id, peer.rank)
         if isinstance(msg, WriteDone):
@@ -161,8 +152,6 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
             return self.completion.on_revoke_ack(key, prod, now)
         if isinstance(msg, ReadGrant):
             return self._on_grant(peer, msg, now)
-        if isinstance(msg, ChunkWritten):
-            return self._on_chunk(peer, key, prod, msg, now)
         return []
 
     def _act(self, out: list) -> None:
@@ -172,7 +161,6 @@ class ConsumerEndpoint(ProducerHandshakes, ProducerLiveness, StagedChunks, PullR
     def _act_one(self, a) -> None:
         if isinstance(a, Received):
             e = self._expects.pop(a.key, None)
-            self._forget_chunks(a.key)
             started = self._expected_at.pop(a.key, None)
             if started is not None and a.ok:
                 self.stats.recv_wait_seconds.observe(self.clock() - started)

@@ -33,7 +33,7 @@ class ProducerHandshakes:
         """Pool thread: ZMQ only; the result goes back to the worker through the inbox."""
         prod = (ref.engine_id, rank)
         try:
-            hello = request_hello(ref.host, ref.port + rank, self.local_hello(self._lend_partition(prod)),
+            hello = request_hello(ref.host, ref.port + rank, self.local_hello(),
                                   self._hello_codec, self.cfg.handshake_timeout_s)
             reason = self.check_peer_hello(hello, "producer")
             if reason is None and (hello.rank, hello.tp_size) != (rank, ref.tp_size):

@@ -22,7 +22,7 @@ MAX_PENDING = 1 << 16  # records queued for the writer; a writer that stopped lo
 class EventLog:
     """One endpoint's event file.  Only the endpoint's worker thread writes to it, once per step (`flush`, after
     the step): a record made on any thread is queued.  A file write releases the GIL: inside the engine's step it
-    let the worker run its whole step there (the decode's once-per-receive hook tail on the H200 had another
+    let the worker run its whole step there (the decode's once-per-receive hook tail had another
     cause, the block-id conversion: docs/benchmarks/README.md#decode-hook-vllm), and inside the worker's push path
     (kv_ready -> WRITE posted) each one let the engine thread take the GIL back before the post.  Records carry
     their own time, and `read_events` sorts by it."""

@@ -15,11 +15,10 @@ ProducerRank = tuple[str, int]  # (producer engine id, rank)
 
 
 def block_ids_as_ints(block_ids) -> tuple[int, ...]:
-    """The worker thread's copy of block ids the engine thread handed over as they were (`tuple()` only):
-    on the H200 host the decode's receive hand-over took 48-67 us with the conversion, 41-49 us without it
-    (an event record of 15-20 us included; docs/benchmarks/README.md#decode-hook-vllm).
-    Raises TypeError for ids that are not integers (1.5 -> 1 would address another block).  One pass with
-    `operator.index` (11 us for 1,024 ids here, 54 us with `int` and a compare): a push waits for it."""
+    """The worker thread's copy of block ids the engine thread handed over as they were (`tuple()` only): the
+    conversion on the engine thread lengthened the decode's receive hand-over, inside a decode step
+    (docs/benchmarks/README.md#decode-hook-vllm).  Raises TypeError for ids that are not integers (1.5 -> 1 would
+    address another block).  One pass with `operator.index`, cheaper than `int` and a compare: a push waits for it."""
     return tuple(map(operator.index, block_ids))
 
 

@@ -16,10 +16,6 @@ class EndpointStats:
 
         self.writes_posted = counter("writes_posted", "WRITEs posted into a destination rank")
         self.writes_prepped = counter("writes_prepped", "WRITEs posted from per-peer prepped block lists")
-        self.writes_staged = counter("writes_staged", "pushes sent as staged chunks (gather, WRITE, scatter)")
-        self.staging_exhausted = counter("staging_exhausted", "pushes sent direct because no staging slot was free")
-        self.slots_reclaimed = counter("staging_slots_reclaimed",
-                                       "staging slots taken back because their SlotFree never came (lost notification)")
         self.writes_done = counter("writes_done", "WRITEs that completed")
         self.writes_failed = counter("writes_failed", "WRITEs refused, failed or timed out", ("code",))
         self.bytes_written = counter("bytes_written", "payload bytes moved by completed WRITEs")

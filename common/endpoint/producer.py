@@ -5,8 +5,7 @@ registrations, runs the rendezvous, waits for the device's KV fence, then hands 
 transfer strategy, and sends WriteFailed whenever a destination will not be (fully) written.  Reading path: this
 file (the core: inbox, messages, fence, dispatch), then one file per strategy, each a mixin on this class:
 
-- `producer_push.py`: the whole-request push, one WRITE per destination rank (the default);
-- `producer_staged.py`: the staged push, through staging chunks, for fragmented blocks when both sides offer staging;
+- `producer_push.py`: the push, one WRITE per destination rank;
 - `producer_pull.py`: pull mode (`EndpointConfig.mode == "pull"`): a ReadGrant, and the blocks pinned while the
   consumer READs.
 
@@ -23,14 +22,12 @@ from kvpush_common.endpoint.handshake import HandshakeServer
 from kvpush_common.endpoint.inbox import ConsumerHello, KVReady, LocalAbort, block_ids_as_ints
 from kvpush_common.endpoint.producer_pull import PullGrants
 from kvpush_common.endpoint.producer_push import DirectPushes
-from kvpush_common.endpoint.producer_staged import StagedPushes
-from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, StagedPush, Transfer
+from kvpush_common.endpoint.transfers import AwaitingFence, DirectWrite, ReadPin, Transfer
 from kvpush_common.plan.planner import PlanError, plan_transfer
-from kvpush_common.plan.staging import LentSlots
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.protocol.topology import routes_from
-from kvpush_common.protocol.wire import (Heartbeat, Hello, ReadResult, Register, Revoke, RevokeAck, SlotFree, Staging,
-                                         Unneeded, WriteDone, WriteFailed)
+from kvpush_common.protocol.wire import (Heartbeat, Hello, ReadResult, Register, Revoke, RevokeAck, Unneeded, WriteDone,
+                                         WriteFailed)
 from kvpush_common.state.rendezvous import (Dest, Outcome, ReadyKV, Release, Rendezvous, SendFailed, SendRevokeAck,
                                             StartWrite)
 from kvpush_common.transport.nixl import TransportError
@@ -38,7 +35,7 @@ from kvpush_common.transport.nixl import TransportError
 log = logging.getLogger(__name__)
 
 
-class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
+class ProducerEndpoint(DirectPushes, PullGrants, Endpoint):
     role = "producer"
 
     def __init__(self, *args, **kwargs):
@@ -46,13 +43,11 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
         self.rendezvous = Rendezvous(expected_dests=self._expected_dests, lease_s=self.cfg.lease_s,
                                      tombstone_s=self.cfg.tombstone_s)
         self._inflight: list[Transfer] = []  # one per (request, consumer rank) being written or read
-        self._polls = {AwaitingFence: self._poll_fence, DirectWrite: self._poll_direct, StagedPush: self._advance_staged,
-                       ReadPin: self._poll_pin}
+        self._polls = {AwaitingFence: self._poll_fence, DirectWrite: self._poll_direct, ReadPin: self._poll_pin}
         self.server: HandshakeServer | None = None
         self._local_prepped: dict[tuple[int, int], object] = {}  # (head_start, num_heads) -> prepped list
         self._remote_prepped: dict[Dest, tuple[object, object]] = {}  # consumer rank -> (local, remote) lists
         self._ready_at: dict[TransferKey, float] = {}
-        self._peer_slots: dict[Dest, LentSlots] = {}  # staging slots each consumer rank lent us
         self._reg_from: dict[tuple[TransferKey, Dest], str] = {}  # registration -> incarnation that sent it
         self._last_fetch: float | None = None
         self._next_prune = 0.0
@@ -107,13 +102,6 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
         self._enqueue(ConsumerHello(hello))
         return None
 
-    def local_hello(self, staging: Staging | None = None) -> Hello:
-        """Our Hello says whether we can gather into staging (its address means nothing to the peer)."""
-        if staging is None and self.staging is not None:
-            staging = Staging(0, self.staging.size * self.staging.chunk_bytes, self.staging.device_id,
-                              self.staging.chunk_bytes)
-        return super().local_hello(staging)
-
     def _routes(self, consumer_tp: int) -> tuple:
         """The routes this rank writes into a TP-`consumer_tp` consumer; worked out once per TP size (a push
         asked twice, each time building every route of the pairing)."""
@@ -130,7 +118,7 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
 
     # ---- worker ----------------------------------------------------------------------------------
     def _claimed_sender(self, msg):
-        if isinstance(msg, (Register, Revoke, Unneeded, Heartbeat, ReadResult, SlotFree)):
+        if isinstance(msg, (Register, Revoke, Unneeded, Heartbeat, ReadResult)):
             return (msg.consumer_engine, msg.consumer_rank)
         return None
 
@@ -162,7 +150,6 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
         self._poll_inflight()
         if now >= self._next_prune:  # forget the sender of registrations whose entry has ended
             self._next_prune = now + 1.0
-            self._reclaim_slots(now)
             self._reg_from = {k: v for k, v in self._reg_from.items() if self.rendezvous.entry_state(k[0]) is not None}
         if now >= self._next_evict:
             self._evict_idle(now, {i.dest for i in self._inflight})
@@ -171,7 +158,7 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
         return bool(self._inflight) or self.rendezvous.has_ready()
 
     def _poll_period(self, busy: bool) -> float:
-        if any(isinstance(i, (DirectWrite, StagedPush)) for i in self._inflight):
+        if any(isinstance(i, DirectWrite) for i in self._inflight):
             return min(self.cfg.write_poll_s, self.cfg.poll_s)  # on the wire: see it complete soon
         return super()._poll_period(busy)
 
@@ -209,7 +196,7 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
         return []
 
     def _on_msg(self, peer: Peer, msg, now: float, arrived_after: float) -> list:
-        key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, (Heartbeat, SlotFree)) else None
+        key = TransferKey(msg.transfer_id, msg.attempt) if not isinstance(msg, Heartbeat) else None
         dest = (peer.engine_id, peer.rank)
         if isinstance(msg, Register):
             if msg.consumer_tp != peer.tp_size:
@@ -224,8 +211,6 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
             return self.rendezvous.on_unneeded(key, dest, msg.reason, now)
         if isinstance(msg, ReadResult):
             return self._on_read_result(key, dest, msg, now)
-        if isinstance(msg, SlotFree):
-            return self._on_slot_free(peer, dest, msg)
         if isinstance(msg, Heartbeat):
             self.rendezvous.on_heartbeat([TransferKey(k.transfer_id, k.attempt) for k in msg.keys], now,
                                          peer.engine_id, arrived_after)
@@ -303,11 +288,7 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
             return self._fail_write(a, "unknown_consumer", "consumer rank restarted since it registered", now)
         if self.cfg.mode == "pull":  # the one place push and pull part
             return self._grant(a, peer, now)
-        route = self._route_to(peer)
-        started = self._start_staged(a, peer, route, t_post, fence_s, item.deadline, now)
-        if started is not None:
-            return started
-        return self._post_direct(a, peer, route, t_post, fence_s, item.deadline, now)
+        return self._post_direct(a, peer, self._route_to(peer), t_post, fence_s, item.deadline, now)
 
     def _same_incarnation(self, a: StartWrite, peer: Peer) -> bool:
         """Block ids in a registration name memory of the process that sent it, never of its successor."""
@@ -318,10 +299,8 @@ class ProducerEndpoint(DirectPushes, StagedPushes, PullGrants, Endpoint):
 
     def _prepare_peer(self, peer: Peer) -> None:
         """What posting to this consumer rank needs, set up once per handshake (a restarted rank's anew)."""
-        dest = (peer.engine_id, peer.rank)
-        self._lend_slots(peer, dest)
         if self.cfg.mode == "push":
-            self._prepare_prepped(peer, dest)
+            self._prepare_prepped(peer, (peer.engine_id, peer.rank))
 
     def _done_msg(self, key: TransferKey, nbytes: int, ndescs: int) -> WriteDone:
         return WriteDone(transfer_id=key.transfer_id, attempt=key.attempt, producer_engine=self.cfg.engine_id,

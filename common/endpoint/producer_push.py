@@ -31,7 +31,7 @@ class DirectPushes:
             except TransportError as e:
                 log.warning("releasing stale prepped list of %s: %s", peer.agent, e)
         route = self._route_to(peer)
-        if not (self.cfg.prepped_lists and block_granular(self.layout, peer.layout, route)):
+        if not block_granular(self.layout, peer.layout, route):
             return
         try:
             hk = (route.src_head_start, route.num_heads)

@@ -1,8 +1,8 @@
 """What a producer rank has in flight for one (request, consumer rank): one class per kind of transfer.
 
 A destination starts as `AwaitingFence` (the device has not finished writing the KV).  Once the fence
-passes it becomes exactly one of `DirectWrite` (one NIXL WRITE), `StagedPush` (chunk WRITEs through
-staging slots) or `ReadPin` (pull: the consumer READs; the blocks stay pinned).  Each kind has its
+passes it becomes exactly one of `DirectWrite` (one NIXL WRITE) or `ReadPin` (pull: the consumer READs; the
+blocks stay pinned).  Each kind has its
 own poll on the producer (`ProducerEndpoint._poll_*`); each ends with exactly one write result for
 the rendezvous.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvpush_common.plan.staging import StagedWrite
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.state.rendezvous import Dest, StartWrite
 
@@ -51,13 +50,6 @@ class DirectWrite(Transfer):
     """One NIXL WRITE (merged or prepped descriptors) carrying WriteDone as its notification."""
 
     handle: object = None
-
-
-@dataclass
-class StagedPush(Transfer):
-    """Chunk WRITEs through staging slots; `plan` tracks chunks posted, in flight and done."""
-
-    plan: StagedWrite | None = None
 
 
 @dataclass

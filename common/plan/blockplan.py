@@ -3,8 +3,9 @@
 When both sides use the same block size and the route's heads form one contiguous range inside every
 block on both sides, a block maps to a block.  Then each side's descriptor list "one entry per
 (region, block)" can be prepared once per peer (NIXL `prep_xfer_dlist`) and every request is just two
-index arrays (`make_prepped_xfer`).  `scripts/bench/probes/bench_post.py` measures this at 5-6x cheaper to post
-than building per-request descriptor lists; the general planner stays for every other pairing.
+index arrays (`make_prepped_xfer`), which spares the post building a descriptor list per request (the larger part
+of its cost; `scripts/bench/probes/bench_post.py` compares the two); the general planner stays for every other
+pairing.
 Whole blocks move, so the tail of a request's last block carries the producer's padding bytes into
 the consumer's (freshly allocated) last block.
 """

@@ -23,7 +23,9 @@ from msgspec import Meta
 from kvpush_common.protocol.layout import KVLayout
 from kvpush_common.protocol.replay import ReplayWindow
 
-PROTOCOL_VERSION = 3  # 2: Unneeded; 3: signed frames carry sender, seq and time (replay window)
+# 2: Unneeded; 3: signed frames carry sender, seq and time (replay window); 4: staged transfers gone (Hello.staging,
+# ChunkWritten, SlotFree), so a v3 peer that would still send them gets UnsupportedVersion, not a schema error
+PROTOCOL_VERSION = 4
 MAGIC = b"KVP"
 HEADER_LEN = len(MAGIC) + 2
 MAC_LEN = 32
@@ -73,16 +75,6 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, frozen=Tru
     pass
 
 
-class Staging(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """A staging buffer for chunked transfers (see staging.py).  From a consumer rank: the part of its
-    registered pool this producer rank may WRITE chunks into.  From a producer: it can gather."""
-
-    addr: Annotated[int, Meta(ge=0, le=2**63 - 1)]
-    nbytes: Annotated[int, Meta(ge=0, lt=2**48)]
-    device_id: Annotated[int, Meta(ge=0, lt=2**32)]
-    chunk_bytes: Annotated[int, Meta(ge=4096, le=1 << 34)]
-
-
 class Hello(_Msg, tag="hello", omit_defaults=True):
     """Handshake, both directions: who I am, how my KV is laid out, and my NIXL agent."""
 
@@ -97,7 +89,6 @@ class Hello(_Msg, tag="hello", omit_defaults=True):
     agent_metadata: bytes
     layout: KVLayout
     write_timeout_ms: Annotated[int, Meta(ge=1, le=3_600_000)] = 30_000  # the producer's WRITE bound
-    staging: Staging | None = None  # staged transfers offered (omitted when off: older peers still decode it)
 
 
 class HelloReject(_Msg, tag="reject"):
@@ -207,33 +198,8 @@ class ReadResult(_Msg, tag="read"):
     reason: Reason = ""
 
 
-class ChunkWritten(_Msg, tag="chunk"):
-    """Staged push, rides on one chunk's WRITE into the consumer's staging slot: scatter it into
-    registration entries [first, first + count) of the key's block list; `chunks` in all."""
-
-    transfer_id: Id
-    attempt: Attempt
-    producer_engine: Id
-    producer_rank: Rank
-    chunk: Annotated[int, Meta(ge=0, lt=1 << 20)]
-    chunks: Annotated[int, Meta(ge=1, le=1 << 20)]
-    slot: Annotated[int, Meta(ge=0, lt=1 << 16)]
-    first: Annotated[int, Meta(ge=0, lt=MAX_BLOCK_IDS)]
-    count: Annotated[int, Meta(ge=1, le=MAX_BLOCK_IDS)]
-    use: Annotated[int, Meta(ge=0, lt=1 << 62)] = 0  # this use of the slot, echoed in SlotFree
-
-
-class SlotFree(_Msg, tag="slot_free"):
-    """Consumer rank -> producer rank: this staging slot has been read out; you may WRITE into it again."""
-
-    consumer_engine: Id
-    consumer_rank: Rank
-    slot: Annotated[int, Meta(ge=0, lt=1 << 16)]
-    use: Annotated[int, Meta(ge=0, lt=1 << 62)] = 0  # ChunkWritten.use of the chunk read out (0: unknown)
-
-
 Message = Union[Hello, HelloReject, Register, Revoke, Unneeded, RevokeAck, Heartbeat, WriteDone, WriteFailed,
-                ReadGrant, ReadResult, ChunkWritten, SlotFree]
+                ReadGrant, ReadResult]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

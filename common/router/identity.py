@@ -175,7 +175,8 @@ class Identities:
 
     async def _warm_up(self, prefill: Prefill, decode_url: str, deadline: float) -> None:
         """One tiny push through each (prefill, decode) pair, so that the decode ranks handshake with the
-        prefill ranks now and not on the first user request (measured: ~150 ms on 2 CPUs)."""
+        prefill ranks now and not on the first user request (a handshake adds NIXL peers on both sides: a user's
+        request should not wait for it)."""
         session = self.upstreams.session
         try:
             await self.upstreams.wait_healthy(decode_url, deadline)

@@ -32,6 +32,7 @@ class FaultPlan:
     post_delay_s: float = 0.0  # hold every post this long (PROC) before really posting: a slow WRITE
     crash_send: float = 0.0  # send_notif raises an unexpected (non-TransportError) exception: a bug mid-step
     crash_fetch: float = 0.0  # get_notifs raises an unexpected exception (nothing is fetched or lost)
+    fail_prep: bool = False  # prep of a peer's descriptor list fails: the producer posts per-request lists
     match: Callable[[bytes], bool] | None = None  # notif faults apply only where this is true
     match_tag: str | None = None  # ... or only to messages of this wire tag ("hb", "reg", "done", ...)
 
@@ -62,6 +63,12 @@ class FaultyTransport:
     def post_prepped(self, op, local, local_idx, remote, remote_idx, notif):
         args = (op, local, np.array(local_idx), remote, np.array(remote_idx), notif)
         return self._faulty_post(lambda: self.inner.post_prepped(*args))
+
+    def prep(self, peer, descs: np.ndarray, mem_type):
+        if self.plan.fail_prep and peer is not None:
+            self.counts["fail_prep"] += 1
+            raise TransportError("injected fault: prep failed")
+        return self.inner.prep(peer, descs, mem_type)
 
     def _faulty_post(self, really_post):
         if self._hit(self.plan.fail_post):

@@ -246,11 +246,6 @@ class Peer:
         faults = dict(getattr(self.ep.transport, "counts", {}))
         return {"counters": counts, "faults": faults}
 
-    def op_lent_slots(self):
-        """Producer: the staging slots consumer ranks lent it, free and in all (a leak shows as free < size)."""
-        pools = list(getattr(self.ep, "_peer_slots", {}).values())
-        return {"free": sum(len(p.free) for p in pools), "size": sum(p.size for p in pools)}
-
     def op_quit(self):
         if self.ep is not None:
             self.ep.close()

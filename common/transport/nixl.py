@@ -27,7 +27,7 @@ class TransportError(RuntimeError):
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """NIXL agent settings.  `progress_thread=None` picks the measured best for the backend.
+    """NIXL agent settings.  NIXL's progress thread follows from the backend (`progress_thread_for`).
 
     NIXL 1.5.1's progress thread busy-spins a full core (pthrDelay=0).  UCX over cma/shm/RDMA makes
     progress inside our own polling calls, so it is off.  LIBFABRIC's passive target (the side that
@@ -35,13 +35,10 @@ class TransportConfig:
     """
 
     backend: Backend = "UCX"
-    progress_thread: bool | None = None
     num_threads: int = 0
     backend_params: dict[str, str] = field(default_factory=dict)
 
     def progress_thread_for(self, role: Literal["producer", "consumer"], mode: Literal["push", "pull"] = "push") -> bool:
-        if self.progress_thread is not None:
-            return self.progress_thread
         if self.backend == "UCX":
             return False
         # LIBFABRIC: the side that is the target of one-sided operations needs passive progress.

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvpush_common.endpoint.config import removed_setting_error
+
 log = logging.getLogger("kvpush")
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -36,26 +38,17 @@ NIXL_CONNECTOR_KEYS = {
 
 
 class Tuning(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Internal: worker poll periods, timer slack, staged transfers, NIXL's progress thread (None: defaults).
-
-    Staging (`staging_bytes` > 0) is here, not a user setting: it lost to the direct push in real vLLM on one GPU
-    and has been measured ahead only in a two-GPU micro-benchmark (docs/benchmarks, staging-h200)."""
+    """Internal: worker poll periods and timer slack (None: defaults)."""
 
     poll_s: Seconds | None = None
     idle_poll_s: Seconds | None = None
     wire_poll_s: Seconds | None = None
     write_poll_s: Seconds | None = None
     timer_slack_s: Annotated[float, msgspec.Meta(ge=0, le=0.01)] | None = None
-    staging_bytes: Count | None = None
-    staging_chunk_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    staging_min_descs: Count | None = None
-    staging_partitions: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    progress_thread: bool | None = None
 
     def endpoint_fields(self) -> dict:
         """The EndpointConfig fields this sets."""
-        names = ("poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s", "timer_slack_s", "staging_bytes",
-                 "staging_chunk_bytes", "staging_min_descs", "staging_partitions")
+        names = ("poll_s", "idle_poll_s", "wire_poll_s", "write_poll_s", "timer_slack_s")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -103,6 +96,11 @@ def parse_extra_config(extra) -> ExtraConfig:
         del raw[key]
     if "backends" in raw:
         raw = nixl_backends(raw)
+    tuning = raw.get("tuning")
+    for where, keys in (("", raw), ("tuning.", tuning if isinstance(tuning, dict) else {})):
+        err = removed_setting_error(keys, f"kv_connector_extra_config.{where}")
+        if err is not None:
+            raise err
     unknown = sorted(str(k) for k in raw if k not in KNOWN_KEYS)
     internal = [k for k in unknown if k in Tuning.__struct_fields__]
     if internal:

@@ -14,7 +14,6 @@ import torch
 
 from kvpush_common.device.backend import DeviceBackend
 from kvpush_common.protocol.layout import KVLayout, LayoutError, Region, layer_order
-from kvpush_common.vllm.tensor_staging import TensorStagingMixin
 
 
 def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int, *, cache_dtype: str = "auto",
@@ -54,7 +53,7 @@ def describe_cpu_caches(kv_caches: dict[str, torch.Tensor], head_offset: int, *,
     return layout, np.array(regs, dtype=np.uint64)
 
 
-class VllmCpuCache(TensorStagingMixin, DeviceBackend):
+class VllmCpuCache(DeviceBackend):
     name = "vllm-cpu"
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], head_offset: int, **facts):

@@ -104,8 +104,7 @@ class ConnectorSettings:
         return ProducerIdentity(engine_id=self.engine_id, host=self.host, port=self.port, tp_size=self.tp_size)
 
     def endpoint_config(self, rank: int) -> EndpointConfig:
-        transport = TransportConfig(backend=self.backend, backend_params=dict(self.backend_params),
-                                    progress_thread=self.extra.tuning.progress_thread)
+        transport = TransportConfig(backend=self.backend, backend_params=dict(self.backend_params))
         return EndpointConfig(engine_id=self.engine_id, rank=rank, tp_size=self.tp_size,
                               total_kv_heads=self.total_kv_heads, model=self.model, mode=self.mode, host=self.host,
                               base_port=self.port, transport=transport, secret=self.secret,

@@ -18,7 +18,6 @@ from kvpush_common.endpoint.producer import ProducerEndpoint
 from kvpush_common.state.rendezvous import Outcome, Release
 from kvpush_common.protocol.topology import local_heads
 from kvpush_common.vllm.compat import TransferResults
-from kvpush_common.vllm.hook_probe import GcClock, HookProbe
 from kvpush_common.vllm.metadata import KVPushMetadata
 from kvpush_common.vllm.settings import ConnectorSettings
 
@@ -40,7 +39,6 @@ class WorkerSide:
         self._released: set[str] = set()  # producer: released but not yet reported finished by the scheduler
         self._finished_unsent: set[str] = set()  # named finished last step with no send known
         self._hooks: dict = {}  # hook name -> its kvpush_engine_hook_seconds child, once an endpoint is bound
-        self._probe: HookProbe | None = None  # event log on: say where a slow start_load_kv's time went
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first, _ = local_heads(self.settings.total_kv_heads, self.settings.tp_size, self.rank)
@@ -59,8 +57,6 @@ class WorkerSide:
     def _bind(self, endpoint: ProducerEndpoint | ConsumerEndpoint) -> None:
         self.endpoint = endpoint
         self._hooks = {h: endpoint.stats.hook_seconds.labels(hook=h) for h in ("start_load_kv", "transfer_results")}
-        if getattr(endpoint.event, "on", False):
-            self._probe = HookProbe(GcClock().install())
 
     def _timed(self, hook: str, started: float, meta: KVPushMetadata | None = None) -> None:
         ended = time.perf_counter()
@@ -74,32 +70,24 @@ class WorkerSide:
             key = TransferKey(ops[0].transfer_id, ops[0].attempt) if ops else TransferKey("-", 0)
             self.endpoint.event("slow_hook", key, hook=hook, us=round(elapsed * 1e6, 1), recvs=len(meta.recvs),
                                 sends=len(meta.sends),
-                                other=len(meta.aborts) + len(meta.declines),
-                                **(self._probe.detail(started, ended) if self._probe is not None else {}))
+                                other=len(meta.aborts) + len(meta.declines))
 
     def start_load_kv(self, meta: KVPushMetadata) -> None:
         started = time.perf_counter()
-        probe = self._probe
-        if probe is not None:
-            probe.begin()
         try:
-            self._hand_over(meta, probe)
+            self._hand_over(meta)
         finally:
             self._timed("start_load_kv", started, meta)
 
-    def _hand_over(self, meta: KVPushMetadata, probe: HookProbe | None) -> None:
+    def _hand_over(self, meta: KVPushMetadata) -> None:
         ep = self.endpoint
         for op in meta.recvs:
             key = TransferKey(op.transfer_id, op.attempt)
             self._req_of[key] = op.req_id
             ep.event("recv_staged", key)
-            if probe is not None:
-                probe.mark("recv_log")
             args = (op.transfer_id, op.attempt, op.producer, op.block_ids, op.num_tokens, op.first_token,
                     op.follow_address)
             ep.expect(*args)
-        if probe is not None:
-            probe.mark("recvs")
         for op in meta.sends:
             self._req_of[TransferKey(op.transfer_id, op.attempt)] = op.req_id
             self._sending[op.req_id] += 1
@@ -107,8 +95,6 @@ class WorkerSide:
             args = (op.transfer_id, op.attempt, op.block_ids, op.num_tokens, self.settings.kv_fence == "output",
                     op.consumer_tp)
             ep.kv_ready(*args)
-        if probe is not None:
-            probe.mark("sends")
         for op in meta.aborts:
             ep.abort(op.transfer_id, op.attempt, op.reason)
         for op in meta.declines:
@@ -158,9 +144,6 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
-        if self._probe is not None:
-            self._probe.gc.remove()
-            self._probe = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

@@ -5,7 +5,7 @@
     handoff/   the handoff micro-benchmark: one push on GPUs (gpu_handoff.py) and push vs pull in a simulated
                vLLM-shaped engine loop (engine_loop.py), with their slab, engine and step-cost models
     probes/    one-question probes (post cost, cold plan, peer preparation, timer slack, release window, handoff
-               stages on CPU, fragmentation, bare-NIXL floor and wire)
+               stages on CPU, bare-NIXL floor and wire)
     gpu/*.sh   the GPU machine's environment and carried wheels
 
 Results and the commands that produced them: docs/benchmarks/README.md.

@@ -1,4 +1,4 @@
-"""The backend conformance scenarios (push, pull, staged, heterogeneous TP, faults) over NIXL's LIBFABRIC
+"""The backend conformance scenarios (push, pull, heterogeneous TP, faults) over NIXL's LIBFABRIC
 backend with libfabric's tcp provider, for the host and simulated-Neuron backends: the transport the Neuron
 backend uses on trn2 (there over EFA).  Every endpoint process runs inside one private network namespace
 that this test creates (and that ends with it); each scenario asserts its agents really run LIBFABRIC.
@@ -31,9 +31,9 @@ SDK_FABRIC = libfabric.find_libfabric("FABRIC_1.7")  # what the SDK's nixl 1.3.2
 
 
 # The simulated-Neuron backend (LIBFABRIC is the only transport the Neuron backend uses) runs every scenario,
-# mixed Neuron <-> host pairs included; the host backend adds what only it has: staged transfers (the rest is
-# the same protocol over the same transport, and runs over UCX in tests/nixl).
-SELECTIONS = {"neuron-sim": ("neuron-sim", 60), "host-staged": ("host and (staged or staging or chunk)", 10)}
+# mixed Neuron <-> host pairs included (the host backend's scenarios are the same protocol over the same
+# transport, and run over UCX in tests/nixl).
+SELECTIONS = {"neuron-sim": ("neuron-sim", 60)}
 
 
 @pytest.mark.timeout(3000)

@@ -166,7 +166,9 @@ def cluster(backend_kind):
     cl.close()
 
 
-PATHS = {"prepped": {}, "merged": {"prepped_lists": False}}
+# How the producer posts a WRITE: from the per-peer prepped lists (same block geometry), or, when preparing the
+# consumer's list failed, from per-request merged lists (the path every other geometry takes)
+PATHS = {"prepped": {}, "merged": {"fail_prep": True}}
 
 MIXED = [("neuron-sim", "host"), pytest.param("neuron-sim", "cuda", marks=pytest.mark.gpu), ("host", "neuron-sim"),
          pytest.param("cuda", "neuron-sim", marks=pytest.mark.gpu)]
@@ -201,7 +203,7 @@ def test_mixed_device_pair_moves_the_same_bytes(p_kind, d_kind, p_tp, d_tp):
 @pytest.mark.parametrize("order", ["registration_first", "ready_first"])
 def test_push_either_order(cluster, order, path):
     """Prepped per-block lists (same geometry) and per-request merged lists give the same bytes."""
-    cl = cluster.start(p_cfg=PATHS[path])
+    cl = cluster.start(p_faults=PATHS[path])
     p_blocks, d_blocks, n = [3, 4, 9, 10], [20, 21, 7, 1], 57
     if order == "registration_first":
         cl.expect("r1", 0, d_blocks, n)
@@ -226,7 +228,7 @@ def test_push_either_order(cluster, order, path):
 @pytest.mark.parametrize("path", PATHS)
 def test_two_producer_ranks_into_one_consumer(cluster, path):
     """P TP=2 (one head each) -> D TP=1 (both heads): D is ready only after both ranks wrote."""
-    cl = cluster.start(total_heads=2, p_tp=2, d_tp=1, p_cfg=PATHS[path])
+    cl = cluster.start(total_heads=2, p_tp=2, d_tp=1, p_faults=PATHS[path])
     p_blocks, d_blocks, n = [0, 1, 2], [5, 9, 13], 40
     cl.expect("tp", 0, d_blocks, n)
     cl.producers[0].call("ready", tid="tp", attempt=0, blocks=p_blocks, num_tokens=n)
@@ -272,7 +274,7 @@ def test_head_replication_in_every_direction(cluster, heads, p_tp, d_tp):
 @pytest.mark.parametrize("path", PATHS)
 def test_one_producer_rank_into_two_consumer_ranks(cluster, path):
     """P TP=1 (two heads) -> D TP=2 (one head each): the producer splits heads across ranks."""
-    cl = cluster.start(total_heads=2, p_tp=1, d_tp=2, p_cfg=PATHS[path])
+    cl = cluster.start(total_heads=2, p_tp=1, d_tp=2, p_faults=PATHS[path])
     p_blocks, d_blocks, n = [4, 5], [30, 2], 32
     cl.ready("split", 0, p_blocks, n)
     cl.expect("split", 0, d_blocks, n)
@@ -286,7 +288,7 @@ def test_one_producer_rank_into_two_consumer_ranks(cluster, path):
 def test_two_producer_ranks_into_two_consumer_ranks(cluster, path):
     """P TP=2 -> D TP=2 (two heads per rank): rank r writes only into consumer rank r, every
     consumer rank is ready only after its own producer rank wrote."""
-    cl = cluster.start(total_heads=4, p_tp=2, d_tp=2, p_cfg=PATHS[path])
+    cl = cluster.start(total_heads=4, p_tp=2, d_tp=2, p_faults=PATHS[path])
     p_blocks, d_blocks, n = [7, 1, 2, 3], [0, 11, 12, 20], 60
     cl.expect("tp22", 0, d_blocks, n)
     cl.producers[1].call("ready", tid="tp22", attempt=0, blocks=p_blocks, num_tokens=n)
@@ -319,7 +321,7 @@ def test_different_block_sizes_and_orders(cluster, p_block, d_block, p_order, d_
 @pytest.mark.parametrize("path", PATHS)
 def test_partial_prefix_hit_writes_only_the_tail(cluster, path):
     """The consumer holds the first 2 blocks already and registers the tail from token 32."""
-    cl = cluster.start(p_cfg=PATHS[path])
+    cl = cluster.start(p_faults=PATHS[path])
     p_blocks, n = [1, 2, 3, 4], 60
     cl.expect("pfx", 0, [10, 11], n, first_token=32)
     cl.ready("pfx", 0, p_blocks, n)
@@ -686,20 +688,10 @@ def test_push_and_pull_peers_refuse_each_other(cluster):
     assert res["ok"] is False and "mode mismatch" in res["reason"]
 
 
-# ---- staged transfers (gather -> one WRITE per chunk -> scatter) -------------------------------------------
-# A block of GEO with 2 heads is 4 regions x 512 B: a 4 KiB chunk holds 2 blocks, and 8 chunks of pool
-# split over 4 producer ranks leave 2 slots per rank, so longer requests need slot reuse (back-pressure).
-STAGED = dict(staging_bytes=8 * 4096, staging_chunk_bytes=4096, staging_min_descs=1)
-STAGES = ("host", "cuda")  # backends with gather/scatter; the others fall back to direct WRITEs
-
-
-def _staged_count(cl) -> float:
-    return cl.producers[0].call("stats")["counters"].get("kvpush_writes_staged_total", 0.0)
-
-
+# ---- cross-layer caches ----------------------------------------------------------------------------------
 def push_seven_blocks(cl: Cluster, tid: str, arrangement: str) -> None:
-    """One push of 7 blocks (the last partly filled: 4 chunks of 2 blocks, the last one block), consecutive or
-    shuffled on both sides: both ends report it done, the bytes are the producer's, nothing else was touched."""
+    """One push of 7 blocks (the last partly filled), consecutive or shuffled on both sides: both ends report it
+    done, the bytes are the producer's, nothing else was touched."""
     n = 16 * 7 - 5
     p_blocks, d_blocks = ([30, 2, 17, 9, 4, 25, 11], [5, 28, 13, 0, 21, 8, 19]) if arrangement == "shuffled" \
         else (list(range(3, 10)), list(range(12, 19)))
@@ -711,15 +703,6 @@ def push_seven_blocks(cl: Cluster, tid: str, arrangement: str) -> None:
     assert set(dirty(cl.consumers[0])) == set(d_blocks)
 
 
-@pytest.mark.parametrize("arrangement", ["shuffled", "consecutive"])
-@pytest.mark.parametrize("staging", ["on", "off"])
-def test_staged_and_direct_pushes_give_identical_bytes(cluster, staging, arrangement):
-    cfg = STAGED if staging == "on" else {}
-    cl = cluster.start(p_cfg=cfg, d_cfg=cfg)
-    push_seven_blocks(cl, "st", arrangement)
-    assert _staged_count(cl) == (1 if staging == "on" and cluster.kind in STAGES else 0)
-
-
 CROSS_LAYER_KINDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]  # Neuron's plugin has no such cache
 
 
@@ -729,103 +712,15 @@ CROSS_LAYER_KINDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]  # Neu
 def test_cross_layer_caches_move_a_run_as_one_descriptor_and_pair_with_per_layer_ones(kind, p_cross, d_cross,
                                                                                        arrangement):
     """vLLM's cross-layer cache (`cross_layer_blocks`) on either side or both: the same bytes as always; with both,
-    a run of consecutive blocks is one descriptor, so staging (from 2 descriptors here) is left to shuffled blocks."""
+    a run of consecutive blocks is one descriptor."""
     cl = Cluster(kind)
     try:
-        cfg = dict(STAGED, staging_min_descs=2)
-        cl.start(p_cfg=cfg, d_cfg=cfg, p_cross_layer=p_cross, d_cross_layer=d_cross)
+        cl.start(p_cross_layer=p_cross, d_cross_layer=d_cross)
         push_seven_blocks(cl, "xl", arrangement)
-        counters = cl.producers[0].call("stats")["counters"]
-        one_run = p_cross and d_cross and arrangement == "consecutive"
-        assert counters.get("kvpush_writes_staged_total", 0.0) == (0 if one_run else 1)
-        if one_run:
-            assert counters["kvpush_descriptors_posted_total"] == 1
+        descs = cl.producers[0].call("stats")["counters"]["kvpush_descriptors_posted_total"]
+        assert (descs == 1) == (p_cross and d_cross and arrangement == "consecutive"), descs
     finally:
         cl.close()
-
-
-def test_staged_push_with_a_prefix_hit_and_tp_split(cluster):
-    """Two consumer ranks (one head each: whole-block units on both sides only when heads match, so
-    staging needs the producer at TP 2 as well) and a consumer that already holds the first block."""
-    cl = cluster.start(p_tp=2, d_tp=2, p_cfg=STAGED, d_cfg=STAGED)
-    p_blocks, d_blocks, n = [6, 1, 14, 3, 20], [9, 2, 30, 7], 70
-    cl.expect("pfx", 0, d_blocks, n, first_token=16)
-    cl.ready("pfx", 0, p_blocks, n)
-    assert [r["ok"] for d in cl.consumers for r in wait(d, 1)] == [True, True]
-    assert_copied(cl, p_blocks, d_blocks, n, first_token=16)
-    assert _staged_count(cl) == (1 if cluster.kind in STAGES else 0)
-
-
-def test_many_staged_pushes_share_two_slots(cluster):
-    """Six 4-chunk requests at once through 2 lent slots: SlotFree back-pressure, all bytes right."""
-    cl = cluster.start(p_cfg=STAGED, d_cfg=STAGED, num_blocks=64)
-    rng = np.random.default_rng(7)
-    p_perm, d_perm = rng.permutation(64), rng.permutation(64)
-    jobs = [(f"m{i}", [int(b) for b in p_perm[8 * i:8 * i + 8]], [int(b) for b in d_perm[8 * i:8 * i + 8]])
-            for i in range(6)]
-    for tid, pb, db in jobs:
-        cl.expect(tid, 0, db, 8 * 16)
-    for tid, pb, db in jobs:
-        cl.ready(tid, 0, pb, 8 * 16)
-    got = wait(cl.consumers[0], 6, seconds=40)
-    assert sorted(r["tid"] for r in got if r["ok"]) == sorted(j[0] for j in jobs)
-    for tid, pb, db in jobs:
-        assert_copied(cl, pb, db, 8 * 16)
-
-
-@pytest.mark.parametrize("side", ["producer", "consumer"])
-def test_staging_on_one_side_only_falls_back_to_direct(cluster, side):
-    cl = cluster.start(p_cfg=STAGED if side == "producer" else {}, d_cfg=STAGED if side == "consumer" else {})
-    p_blocks, d_blocks, n = [3, 9, 1], [7, 2, 11], 40
-    cl.expect("fb", 0, d_blocks, n)
-    cl.ready("fb", 0, p_blocks, n)
-    assert wait(cl.consumers[0], 1)[0]["ok"] is True
-    assert_copied(cl, p_blocks, d_blocks, n)
-    assert _staged_count(cl) == 0
-
-
-def test_failed_chunk_write_fails_the_request_and_scatters_nothing(cluster):
-    """Every chunk WRITE ends in ERR: WriteFailed, the consumer's blocks are never written."""
-    cl = cluster.start(p_cfg=STAGED, d_cfg=STAGED, p_faults=dict(err_xfer=1.0))
-    cl.expect("cf", 0, [4, 5, 6], 48)
-    cl.ready("cf", 0, [1, 2, 3], 48)
-    res = wait(cl.consumers[0], 1)[0]
-    assert res["ok"] is False
-    assert wait(cl.producers[0], 1)[0]["outcome"] == "failed"
-    assert dirty(cl.consumers[0]) == []
-    # every post errs, so a second request fails too; the producer keeps serving
-    cl.expect("cf2", 0, [8, 9], 20)
-    cl.ready("cf2", 0, [7, 8], 20)
-    assert wait(cl.consumers[0], 1)[0]["ok"] is False
-    # and no lent staging slot stays taken: failed chunks' slots come back (at the latest when the
-    # consumer's take-back, write_timeout_s + fence_grace_s, has passed)
-    deadline, slots = time.monotonic() + 30, None
-    while time.monotonic() < deadline:
-        slots = cl.producers[0].call("lent_slots")
-        if slots["free"] == slots["size"]:
-            break
-        time.sleep(0.2)
-    assert slots["free"] == slots["size"], slots
-    assert (slots["size"] > 0) == (cluster.kind in STAGES)
-
-
-def test_exhausted_staging_pool_falls_back_to_direct(cluster):
-    """While one staged push holds both lent slots (its WRITEs held 1 s), the next push goes direct.
-    (Backends without staging buffers send both direct.)"""
-    cl = cluster.start(p_cfg=STAGED, d_cfg=STAGED, p_faults=dict(post_delay_s=1.0))
-    cl.expect("a", 0, [10, 11, 12, 13, 14, 15, 16, 17], 128)
-    cl.expect("b", 0, [20, 21], 32)
-    cl.ready("a", 0, [1, 5, 9, 13, 17, 21, 25, 29], 128)
-    time.sleep(0.3)
-    cl.ready("b", 0, [3, 7], 32)
-    got = wait(cl.consumers[0], 2, seconds=30)
-    assert sorted((r["tid"], r["ok"]) for r in got) == [("a", True), ("b", True)]
-    assert_copied(cl, [1, 5, 9, 13, 17, 21, 25, 29], [10, 11, 12, 13, 14, 15, 16, 17], 128)
-    assert_copied(cl, [3, 7], [20, 21], 32)
-    counters = cl.producers[0].call("stats")["counters"]
-    staged = cluster.kind in STAGES
-    assert counters["kvpush_writes_staged_total"] == (1 if staged else 0)
-    assert (counters["kvpush_staging_exhausted_total"] >= 1) == staged
 
 
 # ---- value formats and MLA (issue 49) -------------------------------------------------------------------------

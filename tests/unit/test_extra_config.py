@@ -46,7 +46,22 @@ def test_defaults_leave_the_endpoint_its_own():
     ep = settings().endpoint_config(0)
     assert (ep.lease_s, ep.reg_ttl_s, ep.write_timeout_s, ep.transfer_timeout_s, ep.poll_s) == (30.0, 30.0, 30.0,
                                                                                                  120.0, 0.001)
-    assert ep.transport.backend == "UCX" and ep.transport.progress_thread is None
+    assert ep.transport.backend == "UCX" and not ep.transport.progress_thread_for("producer")
+
+
+@pytest.mark.parametrize("key", ["staging_bytes", "staging_chunk_bytes", "staging_min_descs", "staging_partitions",
+                                 "progress_thread"])
+def test_a_removed_setting_stops_start_up_naming_it_as_removed(key):
+    """Staged transfers and the progress-thread override are gone: a config still naming them is refused, at the
+    top level or under `tuning`, never run as if they were set; EndpointConfig refuses them and its dead fields."""
+    from kvpush_common.endpoint.config import EndpointConfig
+
+    for extra, where in (({"tuning": {key: 1}}, f"tuning.{key}"), ({key: 1}, key)):
+        with pytest.raises(ValueError, match=rf"kv_connector_extra_config\.{where} was removed \(.+\); delete it"):
+            settings(**extra)
+    for field in (key, "handshake_workers", "prepped_lists"):
+        with pytest.raises(ValueError, match=rf"EndpointConfig\.{field} was removed"):
+            EndpointConfig(engine_id="E", **{field: 1})
 
 
 def test_a_nixl_connector_config_starts_kvpush_unchanged(caplog):

@@ -14,7 +14,6 @@ def test_progress_thread_defaults_follow_measurements():
     # push: the consumer is the passive WRITE target; pull: the producer is the READ target
     assert lf.progress_thread_for("consumer", "push") and not lf.progress_thread_for("producer", "push")
     assert lf.progress_thread_for("producer", "pull") and not lf.progress_thread_for("consumer", "pull")
-    assert TransportConfig(backend="UCX", progress_thread=True).progress_thread_for("producer")
 
 
 def test_init_params_carry_threads_and_backend_params():

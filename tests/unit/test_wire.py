@@ -180,6 +180,23 @@ def test_examples_cover_every_message_type():
     assert set(STRATEGIES) == {type(m).__struct_config__.tag for m in EXAMPLES}
 
 
+
+def test_staged_transfer_messages_are_refused_by_name():
+    """Protocol v4 has no staged transfers: their messages (a v3 peer's are refused by version first) and a Hello
+    offering a staging pool are malformed here, the error naming the tag or the field."""
+    codec = Codec()
+    chunk = {"t": "chunk", "transfer_id": "r1", "attempt": 0, "producer_engine": "P", "producer_rank": 0,
+             "chunk": 0, "chunks": 1, "slot": 0, "first": 0, "count": 1}
+    slot_free = {"t": "slot_free", "consumer_engine": "D", "consumer_rank": 0, "slot": 0}
+    for body, tag in ((chunk, "chunk"), (slot_free, "slot_free")):
+        with pytest.raises(MalformedMessage, match=f"Invalid value '{tag}'"):
+            codec.decode(raw_frame(msgspec.msgpack.encode(body)))
+    hello = body_of(next(m for m in EXAMPLES if isinstance(m, Hello)))
+    codec.decode(raw_frame(msgspec.msgpack.encode(hello)))  # as sent today: accepted
+    hello["staging"] = [0, 1 << 20, 0, 1 << 16]
+    with pytest.raises(MalformedMessage, match="unknown field `staging`"):
+        codec.decode(raw_frame(msgspec.msgpack.encode(hello)))
+
 def raw_frame(body: bytes, *, secret: bytes | None = None, version: int = PROTOCOL_VERSION,
               flags: int | None = None) -> bytes:
     """Build a frame by hand (bypassing the encoder), signed when `secret` is given."""

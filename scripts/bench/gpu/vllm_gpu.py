@@ -43,7 +43,7 @@ from pathlib import Path
 from scripts.bench import rerun_command
 from scripts.bench.gpu.vllm_summary import (ENGINE_SERIES, STAGES, alone, alone_stats, engine_hook_p99,  # noqa: F401
                                             engine_means, exposed_after_prefill, input_key, label, markdown, plots,
-                                            point_stats, posted_descs, quantile, slow_hook_detail, slow_hook_key,
+                                            point_stats, posted_descs, quantile, slow_hook_key,
                                             slow_hooks, split_label, stage_medians, summarize, ttft_mean, wake_split,
                                             worker_load, write_stage_means)
 
@@ -458,13 +458,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="measure the single instance only as the reference, not as a mode behind the router")
     ap.add_argument("--kvpush-extra", default="{}", help="JSON merged into kvpush's kv_connector_extra_config")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:JSON",
-                    help="a kvpush mode with other settings, usable in --modes (e.g. push-staged=push:"
-                         "'{\"tuning\": {\"staging_bytes\": 1073741824}}'); the JSON's vllm_env sets its P and D environment")
+                    help="a kvpush mode with other settings, usable in --modes (e.g. push-slack=push:"
+                         "'{\"tuning\": {\"timer_slack_s\": 0}}'); the JSON's vllm_env sets its P and D environment")
     ap.add_argument("--points-for", action="append", default=[], metavar="NAME=POINTS",
                     help="measure this mode only at these points (a subset of --points)")
     ap.add_argument("--no-event-log", action="store_true",
                     help="kvpush's event log off (as in production): hook times without the log's own cost, but no "
-                         "stage table, exposed time or slow_hook detail")
+                         "stage table or exposed time")
     ap.add_argument("--start-together", default="", metavar="MODES",
                     help="modes whose P and D start beside the single instance, before any is measured (they idle "
                          "while another mode runs; GPU memory for all of them at once); the first mode always does")
@@ -654,7 +654,6 @@ def collect(cluster: Cluster, result: dict, mode: str, name: str, pair, variants
     events = read_events(cluster.event_dir(mode))
     result.setdefault("stages", {})[name] = stage_medians(result["metrics"][name]["timelines"], events, windows)
     result.setdefault("slow_hooks", {})[name] = slow_hooks(events)
-    result.setdefault("slow_hook_detail", {})[name] = slow_hook_detail(events)
     result.setdefault("wake", {})[name] = wake_split(events)
     result.setdefault("posted_descs", {})[name] = posted_descs(events)
 
@@ -665,7 +664,7 @@ def merge(args, ap) -> int:
               "points": [],
               **{k: {kk: vv for p in parts for kk, vv in p.get(k, {}).items()}
                  for k in ("metrics", "stages", "mode_wall_s", "cross_layer_cache", "slow_hooks",
-                           "slow_hook_detail", "wake", "posted_descs")},
+                           "wake", "posted_descs")},
               "errors": [e for p in parts for e in p.get("errors", [])],
               "notes": [n for p in parts for n in p.get("notes", [])]}
     seen = set()

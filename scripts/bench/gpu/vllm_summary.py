@@ -129,29 +129,10 @@ def wake_split(events: list[dict]) -> dict:
 def posted_descs(events: list[dict]) -> dict:
     """Descriptors per direct WRITE P posted (`posted` events): how many transfers, median, min and max (one per
     run of consecutive blocks with vLLM's cross-layer cache, one per layer and run without)."""
-    descs = [e["descs"] for e in events if e.get("ev") == "posted" and not e.get("staged") and e.get("descs")]
+    descs = [e["descs"] for e in events if e.get("ev") == "posted" and e.get("descs")]
     if not descs:
         return {}
     return {"writes": len(descs), "p50": statistics.median(descs), "min": min(descs), "max": max(descs)}
-
-
-def slow_hook_detail(events: list[dict]) -> dict[str, dict]:
-    """Where the slow hook calls' time went (the probe's fields, present when the event log was on), per
-    `slow_hooks` key: medians in us of the wall time, the engine thread's CPU time, the wait (wall - CPU:
-    GIL or core), the garbage collector, each phase, and how many calls had a collection inside."""
-    groups: dict[str, list[dict]] = {}
-    for e in events:
-        if e.get("ev") == "slow_hook" and "cpu_us" in e:
-            groups.setdefault(slow_hook_key(e), []).append(e)
-    out: dict[str, dict] = {}
-    for key, calls in sorted(groups.items()):
-        med = {"us": [c["us"] for c in calls], "cpu_us": [c["cpu_us"] for c in calls],
-               "wait_us": [c["us"] - c["cpu_us"] for c in calls], "gc_us": [c.get("gc_us", 0.0) for c in calls]}
-        for phase in sorted({k for c in calls for k in c if k.endswith("_us") and k not in med and k != "us"}):
-            med[phase] = [c.get(phase, 0.0) for c in calls]
-        out[key] = {"calls": len(calls), "with_gc": sum(1 for c in calls if c.get("gcs")),
-                    **{f"{name}_p50": round(statistics.median(v), 1) for name, v in med.items()}}
-    return out
 
 
 def engine_means(metrics: dict) -> dict:
@@ -384,7 +365,6 @@ def summarize(result: dict) -> dict:
         "producer_write_stage_means_ms": write_stage_means(result.get("metrics", {})),
         "worker_load": worker_load(result.get("metrics", {}), result.get("mode_wall_s", {})),
         "slow_engine_hooks": result.get("slow_hooks", {}),
-        "slow_engine_hook_detail": result.get("slow_hook_detail", {}),
         "producer_wake_ms": result.get("wake", {}),
         "posted_descs": result.get("posted_descs", {}),
         "cross_layer_cache": result.get("cross_layer_cache", {}),

@@ -96,8 +96,7 @@ class Pair:
     def __init__(self, mode: str, args, block_size: int, event_dir: Path):
         ctx = mp.get_context("spawn")
         base = dict(mode=mode, block_size=block_size, poll_s=args.poll_ms / 1e3, event_dir=str(event_dir),
-                    geometry=args.geometry, cpu_time_scale=args.cpu_time_scale, verify=args.verify,
-                    staging_mib=args.staging_mib if mode == "push-staged" else 0)
+                    geometry=args.geometry, cpu_time_scale=args.cpu_time_scale, verify=args.verify)
         bb = block_bytes(args.geometry, block_size, heads=args.heads_per_rank)
         nblocks = int(args.pool_gib * (1 << 30) // bb)
         self.mode = mode
@@ -384,8 +383,6 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", default="sample", choices=("sample", "all", ""),
                     help="check the decode blocks hold the prefill's bytes (sample: every 31st plane)")
     ap.add_argument("--point-timeout", type=float, default=300.0)
-    ap.add_argument("--staging-mib", type=int, default=0,
-                    help="mode push-staged: staged transfers through a pool of this many MiB per side")
     ap.add_argument("--cpu", action="store_true", help="DRAM slabs and sleeping steps (smoke run, no GPU)")
     ap.add_argument("--cpu-time-scale", type=float, default=1.0)
     ap.add_argument("--geometry", default="{}", help="JSON overrides of the per-rank KV geometry")

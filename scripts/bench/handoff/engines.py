@@ -105,7 +105,7 @@ class Followers:
 def prefill_main(conn, opts: dict, follower_conns=()) -> None:
     """Rank 0 of the prefill engine: `conn` is the driver; `follower_conns` reach ranks 1.."""
     work, slab, cost = _setup(opts)
-    side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], opts.get("staging_mib", 0), opts.get("ranks"))
+    side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], opts.get("ranks"))
     followers = Followers(follower_conns)
     tp = 1 + len(followers.conns)
     pool = BlockPool(slab.num_blocks)
@@ -164,7 +164,7 @@ def prefill_main(conn, opts: dict, follower_conns=()) -> None:
 def prefill_follower_main(conn, opts: dict) -> None:
     """Prefill rank > 0: runs each step the leader sends, reports the requests whose transfer ended."""
     work, slab, cost = _setup(opts)
-    side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], opts.get("staging_mib", 0), opts["ranks"])
+    side = prefill_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], opts["ranks"])
 
     def on_step(m: dict) -> None:
         work.run(cost.prefill_ms(m["tokens"]))
@@ -216,8 +216,7 @@ def decode_main(conn, opts: dict, follower_conns=()) -> None:
     send(conn, ev="alive", unit_ms=work.unit_ms)
     hello = next(m for m in _wait(conn) if m["op"] == "hello")
     followers.send(**hello)
-    side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello, opts.get("staging_mib", 0),
-                                     opts.get("ranks"))
+    side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello, opts.get("ranks"))
     followers.wait_all("ready", lambda m: None)
     pool = BlockPool(slab.num_blocks)
     send(conn, ev="ready")
@@ -328,8 +327,7 @@ def decode_follower_main(conn, opts: dict) -> None:
     the bytes it checked."""
     work, slab, cost = _setup(opts)
     hello = next(m for m in _wait(conn) if m.get("op") == "hello")
-    side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello, opts.get("staging_mib", 0),
-                                     opts["ranks"])
+    side = decode_side(opts["mode"])(slab, opts["mode"], opts["poll_s"], hello, opts["ranks"])
     verify_planes = _verify_planes(opts)
 
     def on_op(m: dict) -> None:

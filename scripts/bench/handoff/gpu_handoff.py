@@ -11,8 +11,7 @@ the KV ready; from the endpoints' event logs:
 next to a raw torch copy of the same bytes in one piece (the wire floor), and, with --nixl-floor, next to bare
 NIXL doing the same push from Python in the same run (`probes/nixl_floor.py`: post -> the consumer sees the
 notification, same bytes, poll and pacing; the floor of any Python program over NIXL's API).  The run loop is
-push_pair.py's (which `probes/fragmentation.py` runs over block sizes and staged transfers, and
-`probes/handoff_stages.py` on host memory).
+push_pair.py's (which `probes/handoff_stages.py` runs on host memory).
 
     python3 -m scripts.bench.handoff.gpu_handoff --out runs/gpu-handoff.json
 """

@@ -25,23 +25,20 @@ from kvpush_common.protocol.legs import ProducerIdentity
 from kvpush_common.endpoint.producer import ProducerEndpoint
 from kvpush_common.transport.nixl import NixlTransport, TransportConfig
 
-MODES = ("push", "kvpush-pull", "vllm-pull")  # and "push-staged": push with staged transfers (--staging-mib)
-MULTI_RANK_MODES = ("push", "push-staged", "kvpush-pull")  # several ranks per engine (vllm-pull: one rank each)
+MODES = ("push", "kvpush-pull", "vllm-pull")
+MULTI_RANK_MODES = ("push", "kvpush-pull")  # several ranks per engine (vllm-pull: one rank each)
 
 
-def endpoint_config(engine_id: str, mode: str, poll_s: float, staging_mib: int = 0, ranks: dict | None = None,
-                    producer_tp: int = 1) -> EndpointConfig:
+def endpoint_config(engine_id: str, mode: str, poll_s: float, ranks: dict | None = None) -> EndpointConfig:
     """`ranks`: this rank's place in its engine (rank, tp_size, total_kv_heads, and base_port for
-    producer ranks after the first); a consumer rank lends each of the `producer_tp` ranks a partition."""
-    staging = dict(staging_bytes=staging_mib << 20, staging_chunk_bytes=min(staging_mib // producer_tp, 128) << 20,
-                   staging_partitions=producer_tp) if staging_mib else {}
-    return EndpointConfig(engine_id=engine_id, mode="push" if mode.startswith("push") else "pull", model="qwen3-32b-bench",
-                          poll_s=poll_s, write_timeout_s=60.0, transfer_timeout_s=300.0, **staging, **(ranks or {}))
+    producer ranks after the first)."""
+    return EndpointConfig(engine_id=engine_id, mode="push" if mode == "push" else "pull", model="qwen3-32b-bench",
+                          poll_s=poll_s, write_timeout_s=60.0, transfer_timeout_s=300.0, **(ranks or {}))
 
 
 class KvpushPrefill:
-    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0, ranks: dict | None = None):
-        self.ep = ProducerEndpoint(endpoint_config("P", mode, poll_s, staging_mib, ranks), slab.backend).start()
+    def __init__(self, slab, mode: str, poll_s: float, ranks: dict | None = None):
+        self.ep = ProducerEndpoint(endpoint_config("P", mode, poll_s, ranks), slab.backend).start()
 
     def hello(self) -> dict:
         host, port = self.ep.address
@@ -58,10 +55,9 @@ class KvpushPrefill:
 
 
 class KvpushDecode:
-    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0,
-                 ranks: dict | None = None):
+    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, ranks: dict | None = None):
         p_tp = prefill_hello.get("tp", 1)
-        self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s, staging_mib, ranks, p_tp), slab.backend).start()
+        self.ep = ConsumerEndpoint(endpoint_config("D", mode, poll_s, ranks), slab.backend).start()
         self.ref = ProducerIdentity(engine_id="P", host=prefill_hello["host"], port=prefill_hello["port"], tp_size=p_tp)
 
     def start(self, tid: str, blocks: list[int], tokens: int, remote_blocks=None) -> None:
@@ -77,7 +73,7 @@ class KvpushDecode:
 class VllmPullPrefill:
     """Source side of vLLM-style pull: blocks stay held until the decode's request-id notification."""
 
-    def __init__(self, slab, mode: str, poll_s: float, staging_mib: int = 0, ranks: dict | None = None):
+    def __init__(self, slab, mode: str, poll_s: float, ranks: dict | None = None):
         slab.backend.bind_thread()
         self.layout = slab.backend.layout()
         self.nixl = NixlTransport("P-vllm", TransportConfig(), progress_thread=False)
@@ -99,8 +95,7 @@ class VllmPullPrefill:
 
 
 class VllmPullDecode:
-    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, staging_mib: int = 0,
-                 ranks: dict | None = None):
+    def __init__(self, slab, mode: str, poll_s: float, prefill_hello: dict, ranks: dict | None = None):
         import msgspec
 
         from kvpush_common.protocol.layout import KVLayout

@@ -1,7 +1,6 @@
 """One producer rank and one consumer rank (kvpush endpoints in two processes over NIXL UCX), shaped like one
 Qwen3-32B rank at TP=8, pushing requests one at a time and timed from the endpoints' event logs: the run loop of
-the handoff micro-benchmark (`gpu_handoff.py`) and of the probes `probes/handoff_stages.py` (its CPU twin) and
-`probes/fragmentation.py` (block sizes, staged transfers)."""
+the handoff micro-benchmark (`gpu_handoff.py`) and of the probe `probes/handoff_stages.py` (its CPU twin)."""
 
 from __future__ import annotations
 
@@ -25,26 +24,22 @@ def _p50(values: list) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: int, two: bool,
-             poll_s: float = 0.0002, kind: str = "cuda", wire_poll_s: float | None = None,
-             cross_layer: bool = False, producer_progress_thread: bool = False) -> list[dict]:
+def run_case(block: int, tokens: list[int], reps: int, two: bool, poll_s: float = 0.0002, kind: str = "cuda",
+             wire_poll_s: float | None = None, cross_layer: bool = False) -> list[dict]:
     """One producer/consumer pair; every size x arrangement `reps` times after a warm-up; rows of medians.
     `kind` "host" puts both slabs in host memory (the CPU twin of the same run); `cross_layer` lays both slabs
-    out as vLLM's cross-layer cache (block-major: a run of consecutive blocks is one descriptor);
-    `producer_progress_thread` starts NIXL's progress thread in the producer's agent (off by default over UCX)."""
+    out as vLLM's cross-layer cache (block-major: a run of consecutive blocks is one descriptor)."""
     nblocks = 2 * max(tokens) // block + 8
     events = Path(tempfile.mkdtemp(prefix="kvpush-frag-"))
     env = {"KVPUSH_EVENT_DIR": str(events)}
-    cfg = dict(staging_bytes=1 << 30, staging_chunk_bytes=chunk_mib << 20, staging_min_descs=1,
-               staging_partitions=1, poll_s=poll_s) if staged else dict(poll_s=poll_s)
+    cfg = dict(poll_s=poll_s)
     cfg["wire_poll_s"] = wire_poll_s if wire_poll_s is not None else poll_s
     cfg["write_poll_s"] = cfg["wire_poll_s"]  # --wire-poll-ms sets both sides' poll while the bytes move
     p, d = PeerProcess("P", env), PeerProcess("D", env)
     geo = dict(GEO, cross_layer=True) if cross_layer else GEO
     out = []
     try:
-        ptransport = {"transport": {"progress_thread": True}} if producer_progress_thread else {}
-        port = p.call("start", role="producer", cfg=dict(engine_id="P", total_kv_heads=1, **cfg, **ptransport),
+        port = p.call("start", role="producer", cfg=dict(engine_id="P", total_kv_heads=1, **cfg),
                       backend=dict(kind=kind, num_blocks=nblocks, block_size=block, **geo,
                                    **({"device": 0} if kind == "cuda" else {})))["port"]
         d.call("start", role="consumer", cfg=dict(engine_id="D", total_kv_heads=1, **cfg),
@@ -81,10 +76,8 @@ def run_case(block: int, tokens: list[int], staged: bool, reps: int, chunk_mib: 
                 out.append({"block_size": block, "desc_kib": block * 256 // 1024, "tokens": ntok,
                             "poll_ms": poll_s * 1e3, "wire_poll_ms": cfg["wire_poll_s"] * 1e3,
                             "layout": "cross-layer" if cross_layer else "per-layer",
-                            "producer_progress_thread": producer_progress_thread,
                             "bytes": ntok * 128 * 256, "arrangement": arrangement,
-                            "path": "staged" if s[0]["posted"].get("staged") else "direct",
-                            "descs_or_chunks": s[0]["posted"].get("descs"),
+                            "descs": s[0]["posted"].get("descs"),
                             "handoff_ms_p50": statistics.median(hand), "handoff_ms_max": max(hand),
                             "post_ms_p50": statistics.median(post),
                             "wire_ms_p50": statistics.median(wire) if wire else None,
@@ -111,8 +104,6 @@ def handoff_args(ap: argparse.ArgumentParser, out: str) -> None:
     ap.add_argument("--layouts", default="per-layer",
                     help="per-layer (a region per layer's K and V) and/or cross-layer (vLLM's cross-layer cache), "
                          "one pass each")
-    ap.add_argument("--producer-progress-thread", action="store_true",
-                    help="start NIXL's progress thread in the producer's agent (off by default over UCX)")
     ap.add_argument("--out", default=out)
 
 
@@ -125,7 +116,6 @@ def handoff_passes(args, kind: str = "cuda", two: bool = False) -> list[dict]:
     rows = []
     for layout in layouts:
         for wire_poll_ms in [float(x) for x in args.wire_poll_ms.split(",")]:
-            rows += run_case(16, tokens, staged=False, reps=args.reps, chunk_mib=64, two=two, poll_s=0.001,
-                             kind=kind, wire_poll_s=wire_poll_ms / 1e3, cross_layer=layout == "cross-layer",
-                             producer_progress_thread=args.producer_progress_thread)
+            rows += run_case(16, tokens, reps=args.reps, two=two, poll_s=0.001, kind=kind,
+                             wire_poll_s=wire_poll_ms / 1e3, cross_layer=layout == "cross-layer")
     return rows

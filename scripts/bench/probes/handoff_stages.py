@@ -53,7 +53,7 @@ def table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         st = r["stage_ms_p50"]
-        lines.append(f"| {r['layout']} | {r['wire_poll_ms']:g} ms | {r['tokens']:,} | {r['arrangement']} | {r['descs_or_chunks']:,} | "
+        lines.append(f"| {r['layout']} | {r['wire_poll_ms']:g} ms | {r['tokens']:,} | {r['arrangement']} | {r['descs']:,} | "
                      f"{r['handoff_ms_p50']:.2f} ms | " + " | ".join(f"{st[s]:.3f}" for s in STAGES)
                      + f" | {r['wire_ms_p50']:.2f} | {r['notice_ms_p50']:.2f} | {r['raw_copy_ms']:.2f} ms |")
     return head + "\n".join(lines) + "\n"
