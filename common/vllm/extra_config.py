@@ -1,9 +1,9 @@
 """The keys kvpush reads from `kv_transfer_config.kv_connector_extra_config`, as typed structs parsed once.
 
-`ExtraConfig` holds the user settings (README's table); `Tuning` (the `tuning` key) holds internal periods and
-thresholds kept for tests and benchmarks, with defaults in `EndpointConfig` and `TransportConfig`: users leave it
-out.  A key kvpush does not know is refused with the list of those it does, so that a typo does not silently run
-with a default.  vLLM's own NIXL connectors' keys are accepted as well, so that a config written for them starts
+`ExtraConfig` holds the user settings (README's table); `Tuning` (the `tuning` key) holds internal poll periods
+and timer slack kept for tests and benchmarks, with defaults in `EndpointConfig`: users leave it out.  A key kvpush
+does not know is refused with the list of those it does, so that a typo does not silently run with a default; a
+key kvpush no longer reads is refused naming it as removed, with why (`endpoint.config.REMOVED_SETTINGS`).  vLLM's own NIXL connectors' keys are accepted as well, so that a config written for them starts
 kvpush unchanged: `backends` names the NIXL backend (kvpush uses one), the others are logged as not used.
 """
 
