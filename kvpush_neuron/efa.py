@@ -19,16 +19,19 @@ its fix.  Sources: docs/neuron.md.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
 from kvpush_common.transport.efa import (SYSFS_RDMA, EfaPreflightError, efa_devices, libfabric_problem,
-                                         libfabric_version, nixl_fabric_symbol)
+                                         libfabric_version, nixl_fabric_symbol, plugin_fabric_symbol)
 from kvpush_common.transport.nixl import TransportConfig
 
 from .runtime import parse_core_list
+
+log = logging.getLogger(__name__)
 
 PHYSICAL_CORES_PER_CHIP = 8  # Trainium2 (NeuronCore-v3) and Trainium3 (NeuronCore-v4)
 # The fix for a libfabric too old for the installed NIXL: on a Neuron host the NIXL is the plugin's own pin
@@ -46,7 +49,7 @@ def cores_per_chip(env: Mapping[str, str]) -> int:
 
 
 # The vLLM Neuron plugin's EFA PCI address (BDF) of each host Neuron device, per instance family: its worker sets each
-# rank's FI_EFA_IFACE from it, raising at start-up when the rank's EFA is absent (unless NEURON_SKIP_EFA_AFFINITY=1):
+# rank's FI_EFA_IFACE from it, raising at start-up when the rank's EFA is absent (unless NEURON_SKIP_EFA_AFFINITY skips it, `plugin_pins_efa`):
 # jinhuang12/vllm-neuron vllm_neuron/utils/hardware_config.py @ 0bae3e9c (docs/neuron.md, fact 30).  EFA interface
 # names vary between boots and drivers, and sysfs order is not the chips' order, so a rank's rail is read only here.
 PLUGIN_EFA_BDF = {
@@ -61,6 +64,15 @@ PLUGIN_EFA_BDF = {
                 "0000:78:00.0", "0000:77:00.0", "0000:8e:00.0", "0000:8d:00.0"),
 }
 SKIP_AFFINITY_FIX = "or set NEURON_SKIP_EFA_AFFINITY=1 (the plugin's worker then pins no EFA)"
+SKIP_AFFINITY = "NEURON_SKIP_EFA_AFFINITY"
+
+
+def plugin_pins_efa(env: Mapping[str, str]) -> bool:
+    """Whether the plugin's worker pins each rank to its chip's EFA (and raises where that EFA is absent): only
+    where NEURON_SKIP_EFA_AFFINITY is unset or exactly "0" (`os.environ.get("NEURON_SKIP_EFA_AFFINITY", "0") ==
+    "0"` in NeuronWorker._init_neuron_distributed_environment_and_runtime, jinhuang12/vllm-neuron
+    vllm_neuron/vllm/worker/neuron_worker.py @ 03bd80a2), so "1", "true" or an empty value all skip it."""
+    return env.get(SKIP_AFFINITY, "0") == "0"
 
 
 def _device_minor(path: Path) -> int:
@@ -94,8 +106,8 @@ def plugin_instance_family(env: Mapping[str, str], product_name: str | None) -> 
 @dataclass
 class PluginRails:
     """Each visible core's EFA as the plugin's worker resolves it.  `checked` is False where the plugin pins no EFA
-    (NEURON_SKIP_EFA_AFFINITY=1) or the host is no trn host (`note` says which); `problems` are the start-up errors
-    the plugin's worker would raise instead, each with its fix."""
+    (`plugin_pins_efa`) or the host is no trn host (`note` says which); `problems` are the start-up errors the
+    plugin's worker would raise instead, each with its fix."""
 
     family: str | None
     rails: list[tuple[int, str]] = field(default_factory=list)  # (core, EFA interface)
@@ -123,8 +135,11 @@ def plugin_rails(env: Mapping[str, str], host: TrnHost = TrnHost()) -> PluginRai
     `core * NEURON_LOGICAL_NC_CONFIG // 8` -> the host device (/dev/neuron<n>'s minor) -> its BDF in the plugin's
     table -> the first interface under /sys/bus/pci/devices/<bdf>/infiniband.  The one source of a rank's rail for
     both the connector's preflight and `kvpush doctor`."""
-    if env.get("NEURON_SKIP_EFA_AFFINITY") == "1":
-        return PluginRails(None, checked=False, note="NEURON_SKIP_EFA_AFFINITY=1: the plugin's worker pins no EFA")
+    if not plugin_pins_efa(env):
+        return PluginRails(None, checked=False, note=(
+            f"{SKIP_AFFINITY}={env[SKIP_AFFINITY]!r}: the plugin's worker pins no EFA and checks none (it does "
+            "where the variable is unset or 0), nor does kvpush: NIXL registers each chip's HBM on the EFA libnrt "
+            "attaches to it"))
     product_name = host.product_name()
     family = plugin_instance_family(env, product_name)
     if family not in PLUGIN_EFA_BDF:
@@ -160,10 +175,34 @@ def plugin_rails(env: Mapping[str, str], host: TrnHost = TrnHost()) -> PluginRai
     return out
 
 
+def loaded_fabric_symbol(load: Callable[[str], object] | None = None, maps: Path = Path("/proc/self/maps")) -> str | None:
+    """The newest FABRIC_1.x version node the libfabric the dynamic loader finds defines (read from the loaded
+    file's own version names), or None.  What NIXL's LIBFABRIC plugin needs is that node, and a build between
+    releases defines it under the older version number (libfabric main after 2.6, "2.7.0a1", reports 2.6 and
+    defines FABRIC_1.10), so the number alone would refuse a library NIXL loads."""
+    import ctypes
+
+    try:
+        (load or ctypes.CDLL)("libfabric.so.1")
+    except OSError:
+        return None
+    for line in maps.read_text().splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if "/libfabric.so" in path:
+            return plugin_fabric_symbol(Path(path))
+    return None
+
+
+def _defines(defined: str | None, symbol: str | None) -> bool:
+    number = lambda s: int(s.rsplit(".", 1)[1])  # noqa: E731
+    return bool(defined and symbol) and number(defined) >= number(symbol)
+
+
 def fabric_env_problems(env: Mapping[str, str], fabric_version: tuple[int, int] | None | str = "probe",
                         fabric_symbol: str | None = "probe") -> list[str]:
     """The provider, device-RDMA and libfabric rules as the plugin states them: unset is fine, a value
-    that turns EFA or its RDMA off is not."""
+    that turns EFA or its RDMA off is not.  A probed libfabric too old by its number passes where the loaded
+    file defines the version node NIXL needs (`loaded_fabric_symbol`)."""
     problems = []
     provider = env.get("FI_PROVIDER")
     if provider not in (None, "", "efa"):
@@ -174,11 +213,12 @@ def fabric_env_problems(env: Mapping[str, str], fabric_version: tuple[int, int] 
                         "unset it or set it to 1 (the plugin's EPD tutorial sets 1; reads of HBM never complete "
                         "without it)")
     version = libfabric_version() if fabric_version == "probe" else fabric_version
+    symbol = nixl_fabric_symbol() if fabric_symbol == "probe" else fabric_symbol
     if version is None:
         problems.append("libfabric.so.1 not found: install the EFA installer's libfabric (/opt/amazon/efa/lib) "
                         "and put it on LD_LIBRARY_PATH")
-    elif problem := libfabric_problem(version, nixl_fabric_symbol() if fabric_symbol == "probe" else fabric_symbol,
-                                      NEURON_NIXL_FIX):
+    elif (problem := libfabric_problem(version, symbol, NEURON_NIXL_FIX)) and not (
+            fabric_version == "probe" and _defines(loaded_fabric_symbol(), symbol)):
         problems.append(problem)
     return problems
 
@@ -216,5 +256,7 @@ def neuron_transport(extra: Mapping, env: Mapping[str, str], *, sysfs: Path = SY
                                     fabric_symbol=fabric_symbol, host=host)
     if problems:
         raise EfaPreflightError("Neuron LIBFABRIC/EFA preflight failed:\n  - " + "\n  - ".join(problems))
+    rails = plugin_rails(env, host)
+    (log.info if rails.checked else log.warning)("kvpush: Neuron EFA rails: %s", rails.summary())
     params = {k: str(v) for k, v in dict(extra.get("backend_params") or {}).items()}
     return TransportConfig(backend="LIBFABRIC", backend_params=params)

@@ -1,12 +1,17 @@
-"""A faked trn host on disk, for tests: the DMI product name, /dev/neuron* and the PCI and RDMA sysfs trees the
-vLLM Neuron plugin's EFA affinity and kvpush's preflight read (`efa.TrnHost`, `efa.plugin_rails`)."""
+"""A faked trn host on disk, for tests and the simulated plugin: the DMI product name, /dev/neuron* and the PCI and
+RDMA sysfs trees the vLLM Neuron plugin's EFA affinity and kvpush's preflight read (`efa.TrnHost`,
+`efa.plugin_rails`).  `fake_trn_host` makes one under a directory; `trn_host_at` reads it back in another process
+(the simulated plugin's vLLM servers: `SIM_HOST_ENV`)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from .efa import PLUGIN_EFA_BDF, TrnHost, plugin_instance_family
+
+SIM_HOST_ENV = "KVPUSH_SIM_TRN_HOST"  # the faked host's directory, for the simulated plugin's preflight
 
 
 def fake_trn_host(root: Path, product: str = "trn2.48xlarge", devices: int = 16, efas: tuple[str, ...] | None = None,
@@ -32,7 +37,16 @@ def fake_trn_host(root: Path, product: str = "trn2.48xlarge", devices: int = 16,
         (root / "pci" / bdf / "infiniband" / name).mkdir(parents=True)
         (rdma / name / "device").mkdir(parents=True)
         os.symlink(drivers, rdma / name / "device" / "driver")
-    minors = dict(minors or {})
-    host = TrnHost(product=root / "dmi" / "product_name", dev=dev, pci=root / "pci",
+    (root / "minors.json").write_text(json.dumps({str(k): v for k, v in (minors or {}).items()}))
+    return trn_host_at(root)
+
+
+def trn_host_at(root: Path) -> tuple[TrnHost, Path]:
+    """(host, RDMA sysfs) of the faked host `fake_trn_host` made under root (a file node has no device number:
+    /dev/neuron<i>'s minor is kept in minors.json)."""
+    if not (root / "dmi" / "product_name").is_file():
+        raise FileNotFoundError(f"{root} holds no faked trn host: make one with kvpush_neuron.fake_host.fake_trn_host")
+    minors = {int(k): int(v) for k, v in json.loads((root / "minors.json").read_text()).items()}
+    host = TrnHost(product=root / "dmi" / "product_name", dev=root / "dev", pci=root / "pci",
                    minor=lambda p: minors.get(int(Path(p).name[6:]), int(Path(p).name[6:])))
-    return host, rdma
+    return host, root / "infiniband"

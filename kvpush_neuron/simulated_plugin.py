@@ -33,21 +33,31 @@ kvpush core, and NIXL LIBFABRIC (tcp provider instead of EFA).  What is simulate
 vLLM-CPU's on its own cache (`[blocks, heads, 32, 2 * head_dim]`, K rows then V rows per block and
 head).  So the connector mirrors blocks between the two: into the plugin tensors as each step writes them
 (on the simulated device's queue, drained when the forward ends), out of them when a receive ended well
-(consumer, before vLLM schedules the request).  The EFA preflight is skipped (no EFA here); the transport is
-LIBFABRIC, as on trn.
+(consumer, before vLLM schedules the request).  The transport is LIBFABRIC, as on trn.
+
+The connector's real EFA preflight (`efa.neuron_transport`) runs at start-up against a faked trn host
+(`fake_host.fake_trn_host`, its directory in KVPUSH_SIM_TRN_HOST): each core of NEURON_VISIBLE_DEVICES is mapped to
+its chip's EFA through the plugin's PCI table (`efa.plugin_rails`), a core whose chip's EFA is absent is refused,
+NEURON_SKIP_EFA_AFFINITY is read as the plugin reads it, and the shm, device-RDMA and libfabric rules run on the
+server's own environment and libfabric.  Two things are the plugin worker's and done as it does them: an unset
+NEURON_VISIBLE_DEVICES becomes cores 0..TP-1 (`plugin_worker_env`), and FI_PROVIDER=tcp, which stands for efa here
+(no EFA provider on this host), is the one rule left out.  The plugin's worker would itself refuse a missing EFA
+before kvpush starts; the simulation leaves that to kvpush's preflight so that a regression there fails the run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvpush_common.transport.nixl import TransportConfig
 from kvpush_common.vllm.metadata import KVPushMetadata
 
 from .connector import KVPushNeuronConnector
+from .efa import neuron_transport
+from .fake_host import SIM_HOST_ENV, trn_host_at
 from .kv_cache import DEFAULT_BLOCK_SIZE
 from .slab import _torch_dtype, ready_sim_runtime
 
@@ -164,6 +174,19 @@ def plugin_register_view(runtime, kv_cache_config, engine_kv: dict) -> dict:
     return out
 
 
+def plugin_worker_env(local_ranks: int) -> dict[str, str]:
+    """The environment kvpush's preflight sees inside the plugin's worker, on this CPU host: NEURON_VISIBLE_DEVICES
+    as the worker leaves it (`NeuronWorker._get_visible_devices`, neuron_worker.py @ 03bd80a2, writes cores 0..N-1
+    for the N local ranks into os.environ when unset), without FI_PROVIDER=tcp (libfabric's tcp provider stands for
+    efa here; the provider rule has its own tests)."""
+    if "NEURON_VISIBLE_DEVICES" not in os.environ:
+        os.environ["NEURON_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(local_ranks))
+    env = dict(os.environ)
+    if env.get("FI_PROVIDER") == "tcp":
+        del env["FI_PROVIDER"]
+    return env
+
+
 class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
     runtime_factory = staticmethod(_runtime)
 
@@ -174,13 +197,16 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
         self._recv_blocks: dict[str, tuple[int, ...]] = {}
 
     def choose_transport(self, extra: dict):
-        backend = str(extra.get("backend") or "LIBFABRIC").upper()
-        if backend != "LIBFABRIC":
-            raise ValueError(f"the simulated Neuron plugin runs NIXL LIBFABRIC, as trn does, not {backend!r}")
-        log.warning("kvpush: simulated Neuron plugin: EFA preflight skipped, LIBFABRIC over FI_PROVIDER=%s",
-                    os.environ.get("FI_PROVIDER", "(libfabric's choice)"))
-        params = {k: str(v) for k, v in dict(extra.get("backend_params") or {}).items()}
-        return TransportConfig(backend="LIBFABRIC", backend_params=params)
+        """The connector's preflight (`efa.neuron_transport`, as `KVPushNeuronConnector.choose_transport` runs it)
+        on the faked trn host named by KVPUSH_SIM_TRN_HOST, in the environment the plugin's worker leaves."""
+        root = os.environ.get(SIM_HOST_ENV)
+        if not root:
+            raise ValueError(f"the simulated Neuron plugin runs kvpush's EFA preflight on a faked trn host: set "
+                             f"{SIM_HOST_ENV} to a directory made by kvpush_neuron.fake_host.fake_trn_host")
+        host, sysfs = trn_host_at(Path(root))
+        pc = self._vllm_config.parallel_config
+        env = plugin_worker_env(pc.tensor_parallel_size * pc.pipeline_parallel_size)
+        return neuron_transport(extra, env, sysfs=sysfs, same_host=bool(extra.get("same_host", True)), host=host)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first = next(iter(kv_caches.values()))

@@ -25,6 +25,7 @@ import pytest
 from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, free_port_pair,
                                                 make_model, post_json, prompts, scratch_dir, wait_healthy)
+from kvpush_neuron.fake_host import SIM_HOST_ENV, fake_trn_host
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -49,6 +50,16 @@ def windowed_model(work, name: str, layer_types: list[str]):
     return out
 
 
+def on_trn2(work, server: str, cores: str) -> dict:
+    """A Neuron server's environment on a fully launched faked trn2 (the simulated plugin runs kvpush's EFA preflight
+    there, each core's rail through the plugin's PCI table), with the plugin's DI tutorial's one-host setting."""
+    root = work / "trn2"
+    if not root.exists():
+        fake_trn_host(root)
+    return {"KVPUSH_EVENT_DIR": str(work / f"events-{server}"), SIM_HOST_ENV: str(root),
+            "NEURON_VISIBLE_DEVICES": cores, "FI_EFA_ENABLE_SHM_TRANSFER": "0"}
+
+
 def events(work, server: str, t0: float) -> list[dict]:
     return [e for e in read_events(work / f"events-{server}") if e["t"] >= t0]
 
@@ -57,13 +68,16 @@ def test_sliding_window_prompts_are_pushed_and_answer_exactly():
     work = scratch_dir("kvpush-neuron-swa-")
     model = windowed_model(work, "swa", ["sliding_attention"] * 4)
     p = VllmServer("P", model, role="kv_producer", log_dir=work, core="0", connector=NEURON, args=PLUGIN_BLOCKS,
-                   env={"KVPUSH_EVENT_DIR": str(work / "events-P")}, extra={"port": free_port_pair(), **FAST})
+                   env=on_trn2(work, "P", "0"), extra={"port": free_port_pair(), **FAST})
     d = VllmServer("D", model, role="kv_consumer", log_dir=work, core="1", connector=NEURON, args=PLUGIN_BLOCKS,
-                   env={"KVPUSH_EVENT_DIR": str(work / "events-D")},
+                   env=on_trn2(work, "D", "63"),
                    extra={"transfer_timeout_s": 15, "local_prefill_max_tokens": 0, **FAST})
     router = None
     try:
         wait_healthy([p, d], timeout=600)
+        # the preflight ran in both on the plugin's table: core 0 is chip 0 (its EFA at 0000:c9:00.0), core 63 chip 15
+        assert "Neuron EFA rails: trn2: cores:EFA 0:rdmap201s0" in p.log_path.read_text(errors="replace")
+        assert "Neuron EFA rails: trn2: cores:EFA 63:rdmap246s0" in d.log_path.read_text(errors="replace")
         router = Router(mode="push", prefill=[p.url], decode=[d.url], log_dir=work)
         wait_healthy([router], timeout=120)
         ps = prompts()[2:]  # 45, 150 and 330 tokens: the last two outgrow the 64-token window
@@ -102,7 +116,7 @@ def test_hybrid_kv_cache_groups_are_refused_at_start_up():
     work = scratch_dir("kvpush-neuron-hybrid-")
     model = windowed_model(work, "hybrid", ["sliding_attention", "full_attention"] * 2)
     p = VllmServer("P", model, role="kv_producer", log_dir=work, core="0", connector=NEURON,
-                   args=[*PLUGIN_BLOCKS, "--no-disable-hybrid-kv-cache-manager"],
+                   args=[*PLUGIN_BLOCKS, "--no-disable-hybrid-kv-cache-manager"], env=on_trn2(work, "P", "0"),
                    extra={"port": free_port_pair(), **FAST})
     try:
         with pytest.raises(RuntimeError, match="exited during start-up"):

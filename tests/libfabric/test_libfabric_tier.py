@@ -111,7 +111,7 @@ def test_neuron_layouts_over_libfabric_tcp(tmp_path):
 
 
 # scenario file -> tests it must pass (each runs in its own private network namespace, one after the other)
-NEURON_VLLM = {"scenario_neuron_vllm.py": 2, "scenario_neuron_swa_vllm.py": 2}
+NEURON_VLLM = {"scenario_neuron_vllm.py": 3, "scenario_neuron_swa_vllm.py": 2}
 
 
 
