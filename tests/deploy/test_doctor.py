@@ -13,7 +13,7 @@ from kvpush_common.testing import libfabric
 
 from kvpush_common.ops import cli, deploy, doctor
 from kvpush_cuda.target import cuda_checks
-from kvpush_neuron.fake_host import fake_trn_host
+from kvpush_neuron.testing.fake_host import fake_trn_host
 from kvpush_neuron.target import neuron_checks
 
 HERE_HAS_NEURON = any(Path("/dev").glob("neuron*"))

@@ -15,7 +15,7 @@ from kvpush_common.transport import fabric_info
 from kvpush_common.transport.efa import nixl_fabric_symbol, plugin_fabric_symbol
 from kvpush_neuron import target
 from kvpush_neuron.efa import neuron_efa_preflight
-from kvpush_neuron.fake_host import fake_trn_host
+from kvpush_neuron.testing.fake_host import fake_trn_host
 from kvpush_neuron.target import neuron_checks, plugin_vllm_check
 
 # The Python stack of each Neuron SDK release, as its release content and component notes name it

@@ -25,16 +25,16 @@ import pytest
 from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, free_port_pair,
                                                 make_model, post_json, prompts, scratch_dir, wait_healthy)
-from kvpush_neuron.fake_host import SIM_HOST_ENV, fake_trn_host
+from kvpush_neuron.testing.fake_host import SIM_HOST_ENV, fake_trn_host
 
 pytestmark = pytest.mark.timeout(900)
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10, "backend": "LIBFABRIC"}
-NEURON = {"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path": "kvpush_neuron.simulated_plugin"}
+NEURON = {"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path": "kvpush_neuron.testing.simulated_plugin"}
 # the Neuron plugin's block size, and its scheduler's padding decision (a leg without do_remote_decode that the
 # plugin would run unpadded stops the engine); the plugin's NeuronScheduler is a synchronous Scheduler subclass
-PLUGIN_BLOCKS = ["--block-size", "32", "--scheduler-cls", "kvpush_neuron.simulated_plugin.SimulatedNeuronScheduler",
+PLUGIN_BLOCKS = ["--block-size", "32", "--scheduler-cls", "kvpush_neuron.testing.simulated_plugin.SimulatedNeuronScheduler",
                  "--no-async-scheduling"]
 WINDOW = 64
 

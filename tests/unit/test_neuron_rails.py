@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from kvpush_neuron import efa
 from kvpush_neuron.efa import (PLUGIN_EFA_BDF, EfaPreflightError, efa_devices, neuron_efa_preflight,
                                neuron_transport, plugin_instance_family, plugin_pins_efa, plugin_rails)
-from kvpush_neuron.fake_host import SIM_HOST_ENV, fake_trn_host, trn_host_at
+from kvpush_neuron.testing.fake_host import SIM_HOST_ENV, fake_trn_host, trn_host_at
 from kvpush_neuron.target import efa_affinity_check, neuron_checks
 
 READY = {"FI_EFA_ENABLE_SHM_TRANSFER": "0"}  # the plugin's DI tutorial's environment
@@ -131,7 +131,7 @@ def test_a_faked_host_reads_back_in_another_process(tmp_path):
 
 @pytest.fixture
 def simulated(monkeypatch):
-    from kvpush_neuron.simulated_plugin import SimulatedNeuronPluginConnector
+    from kvpush_neuron.testing.simulated_plugin import SimulatedNeuronPluginConnector
 
     monkeypatch.setattr(efa, "libfabric_version", lambda: (2, 4))  # the SDK's EFA installer's line, nixl 1.3.2's
     monkeypatch.setattr(efa, "nixl_fabric_symbol", lambda: "FABRIC_1.7")

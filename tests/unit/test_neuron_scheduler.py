@@ -18,7 +18,7 @@ from kvpush_common.protocol.legs import ProducerIdentity, read_leg
 from kvpush_common.vllm.kv_groups import window_block_freed_on_prefill, window_first_token
 from kvpush_common.vllm.scheduler import SchedulerSide
 from kvpush_neuron.connector import window_block_missing
-from kvpush_neuron.simulated_plugin import (SimulatedNeuronScheduler, UnpaddedPrefillError, plugin_skips_padding,
+from kvpush_neuron.testing.simulated_plugin import (SimulatedNeuronScheduler, UnpaddedPrefillError, plugin_skips_padding,
                                             plugin_unpadded_prefills)
 from test_parallel_sampling_scheduler import PRODUCER, blocks, request, settings
 

@@ -1,5 +1,6 @@
 """What `pip install kvpush` ships: the connector, the router and the device backends, never the test harness
-(process launchers and fault injection that patch endpoint internals) -- while a checkout's editable install, as
+(process launchers and fault injection that patch endpoint internals; the simulated Neuron plugin and faked trn
+host) -- while a checkout's editable install, as
 scripts/setup-venv.sh makes it, still imports the harness from the tree."""
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ def test_the_wheel_ships_the_connector_and_no_test_harness(wheel_names):
     for shipped in ("kvpush_common/vllm/connector.py", "kvpush_common/router/__init__.py",
                     "kvpush_cuda/__init__.py", "kvpush_neuron/connector.py"):
         assert shipped in wheel_names, shipped
-    harness = [n for n in wheel_names if n.startswith("kvpush_common/testing/")]
+    harness = [n for n in wheel_names if n.startswith(("kvpush_common/testing/", "kvpush_neuron/testing/"))]
     assert not harness, harness
 
 
 def test_the_checkout_still_imports_the_harness():
     import kvpush_common.testing.vllm_cluster as cluster
+    import kvpush_neuron.testing.simulated_plugin as simulated
 
     assert Path(cluster.__file__).resolve().is_relative_to(ROOT / "common" / "testing")
+    assert Path(simulated.__file__).resolve().is_relative_to(ROOT / "kvpush_neuron" / "testing")

