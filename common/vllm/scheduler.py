@@ -15,6 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from kvpush_common.protocol.identity import TransferKey
 from kvpush_common.vllm.compat import VLLM
+from kvpush_common.vllm.kv_groups import sliding_window_of, window_block_missing, window_registration
 from kvpush_common.vllm.metadata import AbortOp, DeclineOp, KVPushMetadata, RecvOp, RejectOp, SendOp
 from kvpush_common.protocol.legs import (COMPUTED_HERE, BadLeg, DecodeLeg, IdentityProbe, PrefillLeg, check_role,
                                          nixl_answer, read_leg)
@@ -33,8 +34,6 @@ class SchedulerSide:
     computes_here: Callable[[int, int], str | None] | None = None
 
     def __init__(self, settings: ConnectorSettings, kv_cache_config=None):
-        from kvpush_common.vllm.kv_groups import sliding_window_of, window_block_missing
-
         self.settings = settings
         # (window, block_size) of a sliding-window-only model: the decode registers the in-window blocks vLLM
         # allocated, and computes the prompt itself where vLLM nulled a block its recompute reads (kv_groups)
@@ -142,8 +141,6 @@ class SchedulerSide:
         block_ids = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
         first = request.num_prompt_tokens - num_external_tokens  # local prefix-cache hit, block aligned
         if self.window:
-            from kvpush_common.vllm.kv_groups import window_registration
-
             first, block_ids = window_registration(request.num_prompt_tokens, first, block_ids, *self.window)
         self._awaiting[request.request_id] = leg
         self._track_recv_blocks(request.request_id, block_ids)

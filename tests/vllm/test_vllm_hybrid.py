@@ -82,15 +82,21 @@ def window_block_nulled(n: int) -> bool:
     return n - WINDOW + 1 > 0 and (n - WINDOW + 1) % BLOCK == 0
 
 
-def test_sliding_window_only_prompts_are_pushed_and_answer_exactly(cluster):
-    refs = [completion_text(cluster["swa-P"].url, {**GEN, "prompt": prompt(n)}) for n in LENGTHS]
+def exact_through_router(cluster, router: str, reference_url: str, lengths: list[int]) -> list[dict]:
+    """Prompts of `lengths` tokens sent at once through `router`, each answered as `reference_url` answers it alone;
+    returns the kvpush events logged meanwhile."""
+    refs = [completion_text(reference_url, {**GEN, "prompt": prompt(n)}) for n in lengths]
     t0 = time.time()
-    got = concurrently(lambda n: post_json(cluster["routers"]["swa"].url + "/v1/completions",
-                                           {**GEN, "prompt": prompt(n)}, timeout=300), LENGTHS)
-    for n, ref, (status, body) in zip(LENGTHS, refs, got):
+    got = concurrently(lambda n: post_json(cluster["routers"][router].url + "/v1/completions",
+                                           {**GEN, "prompt": prompt(n)}, timeout=300), lengths)
+    for n, ref, (status, body) in zip(lengths, refs, got):
         assert status == 200, (n, body)
         assert body["choices"][0]["text"] == ref, f"{n}-token prompt differs"
-    ev = [e for e in read_events(cluster["events"]) if e["t"] >= t0]
+    return [e for e in read_events(cluster["events"]) if e["t"] >= t0]
+
+
+def test_sliding_window_only_prompts_are_pushed_and_answer_exactly(cluster):
+    ev = exact_through_router(cluster, "swa", cluster["swa-P"].url, LENGTHS)
     assert not [e for e in ev if e["ev"] in ("recv_failed", "write_failed")], ev
     regs = [e for e in ev if e["ev"] == "registered"]
     declined = [e for e in ev if e["ev"] == "declined"]
@@ -143,14 +149,7 @@ def test_alternating_window_and_full_layers_answer_as_a_single_instance_with_the
     that runs the hybrid manager (two groups, the window's blocks freed); the KV memory that costs is vLLM's own
     KV cache usage gauge while one long request decodes, printed."""
     lengths = [20, 100, 127, 400]
-    refs = [completion_text(cluster["alt-H"].url, {**GEN, "prompt": prompt(n)}) for n in lengths]
-    t0 = time.time()
-    got = concurrently(lambda n: post_json(cluster["routers"]["alt"].url + "/v1/completions",
-                                           {**GEN, "prompt": prompt(n)}, timeout=300), lengths)
-    for n, ref, (status, body) in zip(lengths, refs, got):
-        assert status == 200, (n, body)
-        assert body["choices"][0]["text"] == ref, f"{n}-token prompt differs"
-    ev = [e for e in read_events(cluster["events"]) if e["t"] >= t0]
+    ev = exact_through_router(cluster, "alt", cluster["alt-H"].url, lengths)
     assert sum(e["ev"] == "received" for e in ev) == len(lengths), ev
     assert max(e["first_token"] for e in ev if e["ev"] == "registered") == 0  # every block of every layer
     h_log, p_log = (cluster[n].log_path.read_text(errors="replace") for n in ("alt-H", "alt-P"))
